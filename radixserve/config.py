@@ -1,0 +1,106 @@
+"""Server settings: one frozen dataclass, SGLang's argument names, "auto" resolved up front."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_POLICIES = ("lpm", "fcfs")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every field is a CLI flag (``--page-size``) and an Engine keyword (``page_size``).
+
+    ``None`` / ``"auto"`` fields are resolved by :meth:`resolve` before the processes start.
+    """
+
+    model: str | None = None  # HF folder or .gguf file; None = embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None  # defaults to the model's
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # cuda when available, else cpu
+    attention_backend: str = "auto"  # triton on GPU, torch on CPU
+    page_size: int | None = None  # tokens per KV page; 1 on CPU, 16 on GPU
+    max_total_tokens: int | None = None  # KV pool size in tokens; sized from memory when None
+    max_running_requests: int | None = None  # rows of the request-to-token table
+    max_prefill_tokens: int = 16384  # token budget of one prefill batch
+    chunked_prefill_size: int | None = None  # longest prefill chunk; 1024 on CPU, 8192 on GPU; -1 off
+    schedule_policy: str = "lpm"  # lpm (longest prefix match first) or fcfs
+    disable_radix_cache: bool = False
+    context_length: int | None = None  # defaults to the model's max_position_embeddings
+    random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
+    stream_interval: int = 1  # send streamed tokens every N decode steps
+    kv_cache_memory_fraction: float = 0.25  # of free host/GPU memory, when max_total_tokens is None
+    log_level: str = "info"
+    startup_timeout: float = 600.0  # seconds to wait for the model to load
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.schedule_policy not in _POLICIES:
+            raise ValueError(f"schedule_policy must be one of {_POLICIES}, got {self.schedule_policy!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
+            )
+        for name in ("page_size", "max_total_tokens", "max_running_requests", "context_length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        if self.chunked_prefill_size is not None and (
+            self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1
+        ):
+            raise ValueError("chunked_prefill_size must be -1 (off) or >= 1")
+        if not 0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {unknown}; valid settings: {sorted(names)}")
+        return cls(**kwargs)
+
+    def resolve(self) -> ServerArgs:
+        """Return a copy whose hardware-dependent "auto" values are filled in.
+
+        Model-dependent values (context length, pool size) are resolved by the scheduler once
+        the model is loaded, and reported back in its ready message.
+        """
+        import torch
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        on_gpu = device.startswith("cuda")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if on_gpu else "torch"
+        page_size = self.page_size or (16 if on_gpu else 1)
+        chunk = self.chunked_prefill_size or (8192 if on_gpu else 1024)
+        return dataclasses.replace(
+            self,
+            device=device,
+            dtype=dtype,
+            attention_backend=backend,
+            page_size=page_size,
+            chunked_prefill_size=chunk,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def env_default(name: str, default: Any) -> Any:
+    """``RADIXSERVE_<NAME>`` overrides a default (used by the CLI)."""
+    return os.environ.get(f"RADIXSERVE_{name.upper()}", default)

@@ -1,0 +1,137 @@
+"""Detokenizer process: token ids in, text deltas out, incrementally.
+
+For each request it keeps two offsets into the ids (``prefix_offset <= read_offset``) and
+decodes only the window ``ids[prefix_offset:]``: text is emitted once it no longer ends in
+U+FFFD, so a character split across tokens is never sent half-done.  Text that could be the
+start of a stop string is held back until it is known not to be one; at the end the text is
+cut before the stop string (unless ``no_stop_trim``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from radixserve import messages as m
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeState:
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # decoded so far (complete characters only)
+    sent_len: int = 0  # characters of ``text`` already sent
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, DecodeState] = {}
+
+    def _decode(self, ids: list[int], skip: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    def _advance(self, st: DecodeState, final: bool) -> None:
+        prefix = self._decode(st.ids[st.prefix_offset : st.read_offset], st.skip_special_tokens)
+        window = self._decode(st.ids[st.prefix_offset :], st.skip_special_tokens)
+        if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
+            st.text += window[len(prefix) :]
+            st.prefix_offset = st.read_offset
+            st.read_offset = len(st.ids)
+
+    @staticmethod
+    def _held_back(text: str, stops: list[str]) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in stops:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def process(self, out: m.TokenOut) -> m.StrOut:
+        deltas: list[str] = []
+        for i, rid in enumerate(out.rids):
+            init = out.init[i]
+            st = self.states.get(rid)
+            if st is None:
+                st = DecodeState()
+                if init:
+                    st.stop = list(init.get("stop") or [])
+                    st.skip_special_tokens = bool(init.get("skip_special_tokens", True))
+                    st.no_stop_trim = bool(init.get("no_stop_trim", False))
+                self.states[rid] = st
+            finished = out.finished[i]
+            new_ids = out.new_ids[i]
+            if finished and not st.no_stop_trim and isinstance(finished.get("matched"), int):
+                # A stop token (not a stop string) is not part of the text.
+                if new_ids and new_ids[-1] == finished["matched"]:
+                    new_ids = new_ids[:-1]
+            st.ids.extend(new_ids)
+            self._advance(st, final=finished is not None)
+            if finished is None:
+                safe = len(st.text) - self._held_back(st.text, st.stop)
+                deltas.append(st.text[st.sent_len : safe] if safe > st.sent_len else "")
+                st.sent_len = max(st.sent_len, safe)
+                continue
+            text = st.text
+            matched = finished.get("matched")
+            if isinstance(matched, str) and not st.no_stop_trim:
+                cut = text.find(matched)
+                if cut >= 0:
+                    text = text[:cut]
+            deltas.append(text[st.sent_len :] if len(text) > st.sent_len else "")
+            del self.states[rid]
+        return m.StrOut(
+            rids=out.rids,
+            text_deltas=deltas,
+            new_ids=out.new_ids,
+            finished=out.finished,
+            meta=out.meta,
+            logprobs=out.logprobs,
+            top_logprobs=out.top_logprobs,
+        )
+
+
+def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, ready_pipe: Any) -> None:
+    """Process entry: PULL TokenOut from the scheduler, PUSH StrOut to the front end."""
+    from radixserve.logging_utils import configure_logging, parent_alive
+
+    configure_logging("detokenizer")
+    try:
+        from radixserve.tokenizer import load_tokenizer
+
+        detok = IncrementalDetokenizer(load_tokenizer(tokenizer_path))
+        ctx = zmq.Context()
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(in_addr)
+        send = ctx.socket(zmq.PUSH)
+        send.connect(out_addr)
+    except Exception as e:  # reported to the launcher, which fails the start with it
+        logger.exception("detokenizer failed to start")
+        ready_pipe.send(("error", f"detokenizer failed to start: {e!r}"))
+        return
+    ready_pipe.send(("ready", {"pid": os.getpid()}))
+    parent = os.getppid()
+    while True:
+        if not recv.poll(1000):
+            if not parent_alive(parent):
+                return
+            continue
+        data = recv.recv()
+        msg = m.decode(data)
+        if isinstance(msg, m.TokenOut):
+            send.send(m.encode(detok.process(msg)))
+        else:  # errors, control replies: pass through unchanged
+            send.send(data)

@@ -1,0 +1,195 @@
+"""Front-end side of the processes: tokenizes, validates, sends requests, routes replies.
+
+Runs on one asyncio loop (the HTTP server's, or the Engine's background loop).  Every
+request has a queue fed by the receive task; exactly one terminal item ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve import messages as m
+from radixserve.sampling import SamplingParams, draw_seed
+from radixserve.validation import check_input_ids
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(RuntimeError):
+    """The server answered a request with an error (``status`` is an HTTP-like code)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _ReqState:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer: Any, model_info: dict[str, Any], scheduler_addr: str, frontend_addr: str) -> None:
+        self.tokenizer = tokenizer
+        self.info = model_info
+        self.scheduler_addr = scheduler_addr
+        self.frontend_addr = frontend_addr
+        self.states: dict[str, _ReqState] = {}
+        self.control_waiters: dict[str, asyncio.Future] = {}
+        self._recv_task: asyncio.Task | None = None
+        self.dead_reason: str | None = None
+
+    async def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.send_sock = self.ctx.socket(zmq.PUSH)
+        self.send_sock.connect(self.scheduler_addr)
+        self.recv_sock = self.ctx.socket(zmq.PULL)
+        self.recv_sock.bind(self.frontend_addr)
+        self._recv_task = asyncio.create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self.ctx.destroy(linger=0)
+
+    # ---- requests ----------------------------------------------------------------------
+    def prepare(
+        self, prompt: str | None, input_ids: list[int] | None, sampling_params: dict[str, Any] | None
+    ) -> tuple[list[int], SamplingParams]:
+        """Tokenize and validate; raises ValueError with a clear message."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt (text) and input_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt must be a string")
+            if prompt == "":
+                raise ValueError("the prompt is empty")
+            input_ids = self.tokenizer.encode(prompt, add_special_tokens=False) or []
+            if not input_ids:
+                raise ValueError("the prompt is empty after tokenization")
+        ids = check_input_ids(
+            input_ids, self.info["vocab_size"], self.info["context_length"], self.info["max_total_tokens"]
+        )
+        params = SamplingParams.from_dict(sampling_params)
+        params.validate_for_model(self.info["vocab_size"])
+        return ids, params
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield ``{"text", "output_ids", "meta_info", "finished"}`` pieces (deltas).
+
+        Cancelling the consumer (client gone) aborts the request in the scheduler.
+        """
+        if self.dead_reason:
+            raise RequestError(self.dead_reason, 503)
+        rid = rid or uuid.uuid4().hex
+        state = _ReqState()
+        self.states[rid] = state
+        msg = m.GenerateReq(
+            rid=rid,
+            input_ids=input_ids,
+            sampling_params=params.to_dict(),
+            seed=params.seed if params.seed is not None else draw_seed(),
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            stream=stream,
+        )
+        finished = False
+        try:
+            await self.send_sock.send(m.encode(msg))
+            while not finished:
+                item = await state.queue.get()
+                if isinstance(item, RequestError):
+                    finished = True
+                    raise item
+                finished = item["finished"]
+                yield item
+        finally:
+            self.states.pop(rid, None)
+            if not finished:
+                await self.send_sock.send(m.encode(m.AbortReq(rid=rid)))
+
+    async def abort(self, rid: str) -> None:
+        await self.send_sock.send(m.encode(m.AbortReq(rid=rid)))
+
+    async def control(self, command: str, timeout: float = 30.0) -> dict[str, Any]:
+        cid = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self.control_waiters[cid] = fut
+        try:
+            await self.send_sock.send(m.encode(m.ControlReq(cid=cid, command=command)))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.control_waiters.pop(cid, None)
+
+    def fail_all(self, reason: str) -> None:
+        """A process died: every waiting request gets an error instead of hanging."""
+        self.dead_reason = reason
+        for state in self.states.values():
+            state.queue.put_nowait(RequestError(reason, 503))
+        for fut in self.control_waiters.values():
+            if not fut.done():
+                fut.set_exception(RequestError(reason, 503))
+
+    # ---- replies -----------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            data = await self.recv_sock.recv()
+            try:
+                msg = m.decode(data)
+            except ValueError as e:
+                logger.error("front end dropped a malformed message: %s", e)
+                continue
+            if isinstance(msg, m.StrOut):
+                self._route_str(msg)
+            elif isinstance(msg, m.ErrorOut):
+                state = self.states.get(msg.rid)
+                if state is not None:
+                    state.queue.put_nowait(RequestError(msg.message, msg.status))
+            elif isinstance(msg, m.ControlOut):
+                fut = self.control_waiters.get(msg.cid)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.result)
+
+    def _route_str(self, msg: m.StrOut) -> None:
+        now = time.perf_counter()
+        for i, rid in enumerate(msg.rids):
+            state = self.states.get(rid)
+            if state is None:
+                continue  # aborted by the client already
+            if state.first_token_at is None:
+                state.first_token_at = now
+            finished = msg.finished[i]
+            meta = dict(msg.meta[i])
+            meta["id"] = rid
+            meta["finish_reason"] = finished
+            if finished is not None:
+                meta["e2e_latency"] = now - state.created
+            item: dict[str, Any] = {
+                "text": msg.text_deltas[i],
+                "output_ids": msg.new_ids[i],
+                "meta_info": meta,
+                "finished": finished is not None,
+            }
+            if msg.logprobs and msg.logprobs[i] is not None:
+                item["logprobs"] = msg.logprobs[i]
+                item["top_logprobs"] = msg.top_logprobs[i] if msg.top_logprobs else None
+            state.queue.put_nowait(item)

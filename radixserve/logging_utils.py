@@ -1,0 +1,20 @@
+"""Logging set-up shared by the processes, and the parent-liveness check."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def configure_logging(process: str, level: str | None = None) -> None:
+    level = (level or os.environ.get("RADIXSERVE_LOG_LEVEL", "info")).upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format=f"%(asctime)s [{process}] %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def parent_alive(parent_pid: int) -> bool:
+    """True while the process that started us lives (we are re-parented when it dies)."""
+    return os.getppid() == parent_pid

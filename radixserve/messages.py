@@ -1,0 +1,153 @@
+"""Typed messages that cross process boundaries, serialized with orjson.
+
+Every message is a dataclass registered under a type tag.  ``encode`` writes
+``{"type": tag, **fields}``; ``decode`` checks the tag and the field names against the
+dataclass before building it, so a malformed message fails loudly at the boundary.
+
+Every request id gets exactly one terminal message: a :class:`TokenOut` / :class:`StrOut`
+row with ``finished`` set (reason ``stop``, ``length`` or ``abort``), or an :class:`ErrorOut`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import orjson
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(tag: str) -> Callable[[type], type]:
+    """Class decorator: make ``cls`` a dataclass and register it under ``tag``."""
+
+    def wrap(cls: type) -> type:
+        cls = dataclass(cls)
+        cls.TYPE = tag
+        cls._FIELDS = {f.name for f in fields(cls)}
+        cls._REQUIRED = {
+            f.name
+            for f in fields(cls)
+            if f.default is MISSING and f.default_factory is MISSING
+        }
+        _REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+def encode(msg: Any) -> bytes:
+    payload = {"type": type(msg).TYPE}
+    payload.update({name: getattr(msg, name) for name in type(msg)._FIELDS})
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def decode(data: bytes) -> Any:
+    payload = orjson.loads(data)
+    if not isinstance(payload, dict) or "type" not in payload:
+        raise ValueError("message without a type tag")
+    tag = payload.pop("type")
+    cls = _REGISTRY.get(tag)
+    if cls is None:
+        raise ValueError(f"unknown message type {tag!r}")
+    names = set(payload)
+    if names - cls._FIELDS or cls._REQUIRED - names:
+        raise ValueError(
+            f"message {tag!r} has fields {sorted(names)}, expected {sorted(cls._FIELDS)}"
+        )
+    return cls(**payload)
+
+
+# ---------------------------------------------------------------- front end -> scheduler
+
+
+@message("generate")
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]  # SamplingParams.to_dict()
+    seed: int  # the user's seed, or one drawn by the front end
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@message("abort")
+class AbortReq:
+    rid: str
+
+
+@message("control")
+class ControlReq:
+    """``command``: ``stats`` | ``flush_cache`` | ``check_memory``; answered by ControlOut."""
+
+    cid: str
+    command: str
+
+
+# ---------------------------------------------------------------- scheduler -> detokenizer
+
+
+@message("token_out")
+class TokenOut:
+    """One scheduler step's new tokens, for every request that produced some.
+
+    Rows are parallel lists.  ``finished[i]`` is None while request i runs, else a dict
+    ``{"type": "stop"|"length"|"abort", "matched": token id | stop string | None}``.
+    ``init[i]`` carries the detokenizer settings (stop strings, skip_special_tokens,
+    no_stop_trim) on the first message of a request, else None.
+    """
+
+    rids: list[str]
+    new_ids: list[list[int]]
+    finished: list[dict[str, Any] | None]
+    meta: list[dict[str, Any]]  # prompt_tokens, cached_tokens, completion_tokens
+    init: list[dict[str, Any] | None]
+    logprobs: list[list[float] | None] = field(default_factory=list)
+    top_logprobs: list[list[list[list[float]]] | None] = field(default_factory=list)
+
+
+@message("error_out")
+class ErrorOut:
+    rid: str
+    message: str
+    status: int = 400
+
+
+@message("control_out")
+class ControlOut:
+    cid: str
+    result: dict[str, Any]
+
+
+@message("ready")
+class ReadyOut:
+    """Sent once by each process when it is ready; ``info`` describes the loaded model."""
+
+    process: str
+    info: dict[str, Any]
+
+
+# ---------------------------------------------------------------- detokenizer -> front end
+
+
+@message("str_out")
+class StrOut:
+    """Text deltas for the rows of one TokenOut (same row order)."""
+
+    rids: list[str]
+    text_deltas: list[str]
+    new_ids: list[list[int]]
+    finished: list[dict[str, Any] | None]
+    meta: list[dict[str, Any]]
+    logprobs: list[list[float] | None] = field(default_factory=list)
+    top_logprobs: list[list[list[list[float]]] | None] = field(default_factory=list)
+
+
+def as_int_list(ids: Any) -> list[int]:
+    """Token ids from a list, tuple or numpy array, as plain ints."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64).tolist()
+    return [int(t) for t in ids]

@@ -1,0 +1,174 @@
+"""Per-request sampling parameters: SGLang's names and defaults, validated once on arrival.
+
+A bad value raises ``ValueError`` naming the field, so the frontend can answer 400 instead of
+the scheduler crashing on it later.  The object is frozen and crosses process boundaries as
+a plain dict (``to_dict`` / ``from_dict``), which orjson serializes as is.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+def draw_seed() -> int:
+    """A fresh random seed for a request that did not ask for one (fits int64)."""
+    return secrets.randbits(63)
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"sampling_params.{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"sampling_params.{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"sampling_params.{name} must be finite, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"sampling_params.{name} must be a boolean, got {value!r}")
+    return value
+
+
+def _check_stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"sampling_params.stop must be a string or a list of strings, got {value!r}"
+        )
+    for s in value:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"sampling_params.stop must hold non-empty strings, got {s!r}")
+    return list(value)
+
+
+def _check_stop_token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"sampling_params.stop_token_ids must be a list of integers, got {value!r}"
+        )
+    out = []
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise ValueError(f"sampling_params.stop_token_ids must hold integers >= 0, got {t!r}")
+        out.append(int(t))
+    return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)  # accepts a str, a list of str, or None
+    stop_token_ids: list[int] = field(default_factory=list)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise types (ints accepted for floats, str for stop) and check ranges.  The
+        # dataclass is frozen, so normalised values go in through object.__setattr__.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("max_new_tokens", _check_int("max_new_tokens", self.max_new_tokens))
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            put(name, _check_float(name, getattr(self, name)))
+        put("top_k", _check_int("top_k", self.top_k))
+        put("stop", _check_stop(self.stop))
+        put("stop_token_ids", _check_stop_token_ids(self.stop_token_ids))
+        if self.seed is not None:
+            put("seed", _check_int("seed", self.seed))
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            _check_bool(name, getattr(self, name))
+
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"sampling_params.max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"sampling_params.repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"sampling_params.{name} must be in [-2, 2], got {v}")
+        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise ValueError(f"sampling_params.seed must fit in 64 bits, got {self.seed}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request's JSON object.  A key set to ``None`` means "use the default"
+        (OpenAI clients send explicit nulls).  Unknown keys are an error, not ignored."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(k for k in d if k not in valid)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
+                f"valid: {', '.join(valid)}"
+            )
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of JSON types; ``from_dict(p.to_dict()) == p``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    def validate_for_model(self, vocab_size: int) -> None:
+        """Checks that need the model: every stop token id must be a real token."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"sampling_params.stop_token_ids {bad} out of range for vocab size {vocab_size}"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

@@ -1,0 +1,298 @@
+"""Batched sampling: penalties, logprobs, temperature, top-k / top-p / min-p, seeded draws.
+
+Order of operations inside ``sample`` (per row, all rows at once):
+  1. penalties on the raw logits: repetition (HF, tokens of prompt + output), then
+     frequency and presence (OpenAI, output tokens only);
+  2. logprobs: ``log_softmax`` of the *penalised* logits, taken BEFORE temperature and the
+     top-k / top-p / min-p filters, so a reported logprob is the model's own (penalised)
+     distribution and does not change with the sampling knobs;
+  3. greedy rows (temperature 0 or top_k 1) take the argmax of the penalised logits;
+  4. the other rows: divide by temperature, filter top-k, then top-p (on what top-k left,
+     renormalised), then min-p (relative to the most likely token), and draw.
+
+Seeded draws.  The draw is Gumbel-max: ``argmax(log p + G)`` with ``G = -log(-log U)``.
+``U`` for token ``t`` of a request comes from a counter-based hash (splitmix64) of
+``(seed, step, t)`` computed on tensors, so a request's random numbers depend only on its
+own seed and how many tokens it has generated -- not on its position in the batch, on the
+other requests beside it, or on what ran before.  A retracted and recomputed request draws
+the same tokens again.  Every row of a batch also goes through the same arithmetic
+whichever filters its neighbours use (neutral knobs are exact no-ops), so the result is
+bit-identical across batch compositions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.penalties import (
+    apply_frequency_presence_penalties,
+    apply_repetition_penalty,
+    count_tokens,
+    pad_token_ids,
+)
+
+# splitmix64 constants, as signed int64 (torch has no uint64 arithmetic; int64 multiply
+# and add wrap modulo 2**64, which is all the hash needs).
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+_UNIFORM_BITS = 23  # 0.5 + k over 2**23 stays strictly inside (0, 1) in float32
+
+
+def _to_int64(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser; consumes ``x`` (in place)."""
+    x ^= _shr(x, 30)
+    x *= _MIX1
+    x ^= _shr(x, 27)
+    x *= _MIX2
+    x ^= _shr(x, 31)
+    return x
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[B, num_tokens]`` float32 uniform in (0, 1); entry ``[b, t]`` is a pure function of
+    ``(seeds[b], steps[b], t)``.  seeds, steps: [B] int64."""
+    key = _mix64(seeds.to(torch.int64) + _GAMMA)
+    key = _mix64(key + (steps.to(torch.int64) + 1) * _GAMMA)
+    tokens = torch.arange(1, num_tokens + 1, dtype=torch.int64, device=seeds.device) * _GAMMA
+    bits = _shr(_mix64(key[:, None] + tokens[None, :]), 64 - _UNIFORM_BITS)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling tensors for one forward, built once by ``build``."""
+
+    temperatures: torch.Tensor  # [B] float32 (0 on greedy rows)
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64, "off" stored as vocab_size
+    min_ps: torch.Tensor  # [B] float32
+    rep_penalties: torch.Tensor  # [B] float32
+    freq_penalties: torch.Tensor  # [B] float32
+    pres_penalties: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64, tokens generated so far
+    vocab_size: int
+    # Host-side facts, so ``sample`` can skip work without a device sync.
+    sampled_rows: torch.Tensor | None  # [S] int64 non-greedy rows; None when all rows sample
+    num_sampled: int
+    need_top_k: bool  # among the sampled rows
+    need_top_p: bool
+    need_min_p: bool
+    # Penalty state; None when no row of the batch uses that penalty.
+    seen_mask: torch.Tensor | None = None  # [B, V] bool, token in prompt + output
+    output_counts: torch.Tensor | None = None  # [B, V] float32, count in output
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seeds.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        output_ids: list[list[int]],
+        prompt_ids: list[list[int]] | None,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """``seeds[i]``: request i's seed (its own, or one drawn when it was created).
+        ``output_ids`` / ``prompt_ids`` are read only for rows whose penalties are active;
+        ``len(output_ids[i])`` is the request's step."""
+        n = len(params)
+        if (
+            len(seeds) != n
+            or len(output_ids) != n
+            or (prompt_ids is not None and len(prompt_ids) != n)
+        ):
+            raise ValueError(
+                "params, seeds, output_ids and prompt_ids must have one entry per request"
+            )
+
+        floats = torch.tensor(
+            [
+                [
+                    p.temperature,
+                    p.top_p,
+                    p.min_p,
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                ]
+                for p in params
+            ],
+            dtype=torch.float32,
+        ).reshape(n, 6)
+        ints = torch.tensor(
+            [
+                [_to_int64(s), len(out), p.top_k if 0 < p.top_k < vocab_size else vocab_size]
+                for p, s, out in zip(params, seeds, output_ids, strict=True)
+            ],
+            dtype=torch.int64,
+        ).reshape(n, 3)
+        temps, top_ps, min_ps, reps, freqs, pres = floats.t().contiguous().to(device).unbind(0)
+        seed_t, steps, top_ks = ints.t().contiguous().to(device).unbind(0)
+
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        sampled_params = [params[i] for i in sampled]
+        batch = cls(
+            temperatures=temps,
+            top_ps=top_ps,
+            top_ks=top_ks,
+            min_ps=min_ps,
+            rep_penalties=reps,
+            freq_penalties=freqs,
+            pres_penalties=pres,
+            seeds=seed_t,
+            steps=steps,
+            vocab_size=vocab_size,
+            sampled_rows=(
+                None if len(sampled) == n else torch.tensor(sampled, dtype=torch.int64).to(device)
+            ),
+            num_sampled=len(sampled),
+            need_top_k=any(0 < p.top_k < vocab_size for p in sampled_params),
+            need_top_p=any(p.top_p < 1.0 for p in sampled_params),
+            need_min_p=any(p.min_p > 0.0 for p in sampled_params),
+        )
+
+        # Rows without a given penalty contribute no ids: their counts stay 0 (neutral anyway).
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen_ids = [
+                ((prompt_ids[i] if prompt_ids is not None else []) + output_ids[i])
+                if p.repetition_penalty != 1.0
+                else []
+                for i, p in enumerate(params)
+            ]
+            batch.seen_mask = (
+                count_tokens(pad_token_ids(seen_ids, vocab_size, device), vocab_size) > 0
+            )
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            out_ids = [
+                output_ids[i] if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) else []
+                for i, p in enumerate(params)
+            ]
+            batch.output_counts = count_tokens(
+                pad_token_ids(out_ids, vocab_size, device), vocab_size
+            )
+        return batch
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: list[int]  # len B
+    logprobs: list[float] | None  # logprob of the chosen token (every row, when any asks)
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, top_logprobs_num[i] pairs
+
+
+def _filter_mask(
+    logp: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    batch: SamplingBatch,
+) -> torch.Tensor | None:
+    """[S, V] bool of tokens removed by top-k, top-p (after top-k) and min-p, or None.
+    A row with neutral knobs gets an all-False row whatever its neighbours use."""
+    remove = None
+    if batch.need_top_k or batch.need_top_p:
+        # One stable sort for both, so ties at a boundary break the same way in every batch.
+        sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)
+        positions = torch.arange(logp.shape[-1], device=logp.device)
+        remove_sorted = positions[None, :] >= top_ks[:, None]
+        if batch.need_top_p:
+            kept = sorted_logp.exp().masked_fill(remove_sorted, 0.0)
+            cumulative = kept.cumsum(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p of what top-k kept.
+            over = (cumulative - kept) > top_ps[:, None] * cumulative[:, -1:]
+            remove_sorted |= over & (top_ps < 1.0)[:, None]
+        remove = torch.zeros_like(remove_sorted).scatter_(1, order, remove_sorted)
+    if batch.need_min_p:
+        # p < min_p * p_max  <=>  log p < log p_max + log min_p   (min_p = 0: threshold -inf)
+        threshold = logp.max(dim=-1, keepdim=True).values + min_ps.log()[:, None]
+        below = logp < threshold
+        remove = below if remove is None else remove | below
+    return remove
+
+
+def _sample_rows(
+    logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """Draw one token per row of ``logits`` [S, V] (the non-greedy rows ``rows`` of the batch)."""
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t.index_select(0, rows)
+
+    logp = torch.log_softmax(logits / pick(batch.temperatures)[:, None], dim=-1)
+    remove = _filter_mask(logp, pick(batch.top_ks), pick(batch.top_ps), pick(batch.min_ps), batch)
+    if remove is not None:
+        logp = logp.masked_fill(remove, float("-inf"))
+    uniform = counter_uniform(pick(batch.seeds), pick(batch.steps), logits.shape[-1])
+    gumbel = -torch.log(-torch.log(uniform))
+    return (logp + gumbel).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    return_logprob: list[bool] | None = None,
+    top_logprobs_num: list[int] | None = None,
+) -> SampleOutput:
+    """Pick the next token of every row of ``logits`` [B, V] (see the module docstring for the
+    order of operations).  ``logits`` is not modified."""
+    num_rows = logits.shape[0]
+    if num_rows != batch.batch_size:
+        raise ValueError(f"logits have {num_rows} rows, the sampling batch {batch.batch_size}")
+    for name, per_row in (
+        ("return_logprob", return_logprob),
+        ("top_logprobs_num", top_logprobs_num),
+    ):
+        if per_row is not None and len(per_row) != num_rows:
+            raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
+    if num_rows == 0:
+        return SampleOutput([], None, None)
+
+    logits = logits.float()
+    if batch.seen_mask is not None:
+        logits = apply_repetition_penalty(logits, batch.seen_mask, batch.rep_penalties)
+    if batch.output_counts is not None:
+        logits = apply_frequency_presence_penalties(
+            logits, batch.output_counts, batch.freq_penalties, batch.pres_penalties
+        )
+
+    if batch.num_sampled == num_rows:
+        next_ids = _sample_rows(logits, batch, None)
+    else:
+        next_ids = logits.argmax(dim=-1)
+        if batch.num_sampled > 0:
+            rows = batch.sampled_rows
+            drawn = _sample_rows(logits.index_select(0, rows), batch, rows)
+            next_ids = next_ids.index_copy(0, rows, drawn)
+
+    want_logprob = bool(return_logprob) and any(return_logprob)
+    top_k_max = max(top_logprobs_num, default=0) if top_logprobs_num else 0
+    logprobs = top_logprobs = None
+    if want_logprob or top_k_max > 0:
+        logp_all = torch.log_softmax(logits, dim=-1)
+        if want_logprob:
+            logprobs = logp_all.gather(1, next_ids[:, None]).squeeze(1).tolist()
+        if top_k_max > 0:
+            values, ids = logp_all.topk(min(top_k_max, logits.shape[-1]), dim=-1)
+            values_l, ids_l = values.tolist(), ids.tolist()
+            top_logprobs = [
+                list(zip(ids_l[i][: max(k, 0)], values_l[i][: max(k, 0)], strict=True))
+                for i, k in enumerate(top_logprobs_num)
+            ]
+    return SampleOutput(next_ids.tolist(), logprobs, top_logprobs)

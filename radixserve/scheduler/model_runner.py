@@ -1,0 +1,81 @@
+"""Owns the model, the KV pool and the attention backend; runs one forward and samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixserve.attention import create_backend
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.req_to_token import ReqToTokenPool
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.sampling import SampleOutput, SamplingBatch, sample
+from radixserve.scheduler.request import Req
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vocab_size: int,
+        kv_pool: KVPool,
+        req_pool: ReqToTokenPool,
+        attention_backend: str,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.kv_pool = kv_pool
+        self.req_pool = req_pool
+        self.backend = create_backend(attention_backend)
+        self.device = device
+
+    def build_batch(self, entries: list[tuple[Req, int]]) -> ForwardBatch:
+        """Entry ``(req, n)`` computes ``fill_ids[kv_len : kv_len + n]`` of ``req``."""
+        rows = [r.row for r, _ in entries]
+        prefix_lens = [r.kv_len for r, _ in entries]
+        extend_lens = [n for _, n in entries]
+        if all(n == 1 for n in extend_lens):
+            input_ids = [r.fill_ids[r.kv_len] for r, _ in entries]
+        else:
+            input_ids = [t for r, n in entries for t in r.fill_ids[r.kv_len : r.kv_len + n]]
+        # Output slots: row[kv_len + i] for i < n, gathered in one indexing op.
+        row_idx = np.repeat(np.asarray(rows, dtype=np.int64), extend_lens)
+        starts = np.cumsum(extend_lens) - np.asarray(extend_lens)
+        col_idx = np.arange(len(row_idx), dtype=np.int64) + np.repeat(
+            np.asarray(prefix_lens, dtype=np.int64) - starts, extend_lens
+        )
+        out_cache_loc = self.req_pool.table[torch.from_numpy(row_idx), torch.from_numpy(col_idx)]
+        return ForwardBatch.build(
+            input_ids=input_ids,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            req_pool_indices=rows,
+            out_cache_loc=out_cache_loc,
+            req_to_token=self.req_pool.table,
+            kv_pool=self.kv_pool,
+            attn_backend=self.backend,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, entries: list[tuple[Req, int]]) -> torch.Tensor:
+        """Float32 logits ``[len(entries), vocab]`` at each request's last new token."""
+        return self.model.forward(self.build_batch(entries))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+        batch = SamplingBatch.build(
+            params=[r.params for r in reqs],
+            seeds=[r.seed for r in reqs],
+            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.prompt_ids for r in reqs],
+            vocab_size=self.vocab_size,
+            device=logits.device,
+        )
+        return sample(
+            logits,
+            batch,
+            return_logprob=[r.return_logprob for r in reqs],
+            top_logprobs_num=[r.top_logprobs_num for r in reqs],
+        )

@@ -1,0 +1,119 @@
+"""Scheduler process: socket I/O around :class:`Scheduler`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import zmq
+
+from radixserve import messages as m
+from radixserve.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+STATS_LOG_INTERVAL_S = 10.0
+
+
+def _handle(sched: Any, msg: Any, send: zmq.Socket) -> None:
+    if isinstance(msg, m.GenerateReq):
+        err = sched.add_request(msg)
+        if err is not None:
+            send.send(m.encode(err))
+    elif isinstance(msg, m.AbortReq):
+        sched.abort(msg.rid)
+    elif isinstance(msg, m.ControlReq):
+        if msg.command == "stats":
+            result: dict[str, Any] = sched.get_stats()
+        elif msg.command == "flush_cache":
+            result = {"success": sched.flush_cache()}
+        elif msg.command == "check_memory":
+            try:
+                result = {"ok": True, **sched.check_memory()}
+            except RuntimeError as e:
+                result = {"ok": False, "error": str(e)}
+        else:
+            result = {"error": f"unknown control command {msg.command!r}"}
+        send.send(m.encode(m.ControlOut(cid=msg.cid, result=result)))
+    else:
+        logger.error("scheduler got an unexpected message %r", type(msg).__name__)
+
+
+def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str) -> None:
+    """After an internal error, answer every live request with an error and drop it."""
+    for rid in list(sched.reqs):
+        sched.abort(rid)
+        send.send(m.encode(m.ErrorOut(rid=rid, message=reason, status=500)))
+    sched._aborted.clear()
+    sched.reqs.clear()
+
+
+def run_scheduler_process(
+    args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_pipe: Any
+) -> None:
+    from radixserve.logging_utils import configure_logging, parent_alive
+
+    configure_logging("scheduler", args.log_level)
+    try:
+        import torch
+
+        from radixserve.model.loader import load_model
+        from radixserve.scheduler.scheduler import Scheduler
+        from radixserve.tokenizer import load_tokenizer
+
+        torch.manual_seed(args.random_seed)
+        loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device)
+        tokenizer = load_tokenizer(loaded.tokenizer_path)
+        sched = Scheduler(args, loaded.model, loaded.config, tokenizer)
+        ctx = zmq.Context()
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(in_addr)
+        send = ctx.socket(zmq.PUSH)
+        send.connect(out_addr)
+    except Exception as e:  # reported to the launcher, which fails the start with it
+        logger.exception("scheduler failed to start")
+        ready_pipe.send(("error", f"scheduler failed to start: {e!r}"))
+        return
+    info = sched.info()
+    info["tokenizer_path"] = loaded.tokenizer_path
+    ready_pipe.send(("ready", info))
+    logger.info(
+        "ready: %s, %d KV tokens (page %d), %d request rows",
+        model_path, sched.pool_tokens, sched.page_size, sched.max_running,
+    )
+    parent = os.getppid()
+    last_log = time.monotonic()
+    while True:
+        if not sched.has_work and not recv.poll(1000):
+            if not parent_alive(parent):
+                logger.info("launcher is gone; scheduler exits")
+                return
+            continue
+        while True:
+            try:
+                data = recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                _handle(sched, m.decode(data), send)
+            except ValueError as e:
+                logger.error("dropped a malformed message: %s", e)
+        if not sched.has_work:
+            continue
+        try:
+            out = sched.step()
+        except Exception as e:  # logged and answered: every in-flight request gets an error
+            logger.exception("scheduler step failed")
+            _fail_in_flight(sched, send, f"internal error in the scheduler: {e!r}")
+            continue
+        if out is not None:
+            send.send(m.encode(out))
+        if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
+            last_log = time.monotonic()
+            s = sched.get_stats()
+            logger.info(
+                "running %d, waiting %d, free pages %d/%d, hit rate %.1f%%",
+                s["running"], s["waiting"], s["free_pages"], s["total_pages"],
+                100 * s["cache_hit_rate"],
+            )

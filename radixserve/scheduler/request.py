@@ -1,0 +1,111 @@
+"""A request as the scheduler sees it: token ids, sampling settings and its KV bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.cache.radix_tree import TreeNode
+    from radixserve.sampling import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # in the queue, holds no KV
+    PREFILLING = "prefilling"  # admitted, prompt partly computed (chunked prefill)
+    RUNNING = "running"  # prompt computed, decoding one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "matched": self.matched}
+
+
+class Req:
+    """Lengths vocabulary (all in tokens):
+
+    ``fill_ids = prompt_ids + output_ids``: every token whose K/V should exist eventually.
+    ``kv_len``: tokens of ``fill_ids`` whose K/V is computed and written in the request's row.
+    ``tree_len``: tokens at the start of the row whose slots belong to the radix tree (locked
+    through ``last_node``); page aligned.
+    ``alloc_len``: tokens of the row backed by slots; ``>= kv_len`` (the rest of the last page).
+
+    Row ``req_to_token[row]``:
+      ``[0, tree_len)``          tree slots, locked, never freed by the request
+      ``[tree_len, alloc_len)``  slots of pages the request owns, freed or given to the tree
+      ``[kv_len, alloc_len)``    allocated but not written yet (tail of the last page)
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> None:
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seed = seed
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+        self.output_ids: list[int] = []
+        self.state = ReqState.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.aborted = False
+        # KV bookkeeping (see class docstring)
+        self.row: int | None = None
+        self.kv_len = 0
+        self.tree_len = 0
+        self.alloc_len = 0
+        self.last_node: TreeNode | None = None
+        # Stats and streaming
+        self.cached_tokens: int | None = None  # tree hit at first admission
+        self.admit_seq = 0  # order of admission, for retraction (latest first)
+        self.sent_len = 0  # output tokens already sent to the detokenizer
+        self.sent_init = False
+        self.pending_logprobs: list[float] = []
+        self.pending_top_logprobs: list[list[list[float]]] = []
+        self.num_retractions = 0
+
+    # ---- lengths -----------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def fill_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def remaining_extend(self) -> int:
+        """Tokens still to compute before the request can sample (prefill left)."""
+        return self.fill_len - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Req({self.rid!r}, {self.state.value}, prompt={self.prompt_len}, "
+            f"out={self.output_len}, kv={self.kv_len}, tree={self.tree_len}, alloc={self.alloc_len})"
+        )

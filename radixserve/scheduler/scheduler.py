@@ -1,0 +1,346 @@
+"""The scheduler: request queue, admission, decode bookkeeping and the step loop (no I/O)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from radixserve.cache.allocator import PageAllocator
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.radix_tree import RadixCache
+from radixserve.cache.req_to_token import ReqToTokenPool
+from radixserve.config import ServerArgs
+from radixserve.messages import ErrorOut, GenerateReq, TokenOut
+from radixserve.sampling import SamplingParams
+from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
+from radixserve.scheduler.decode import reserve_decode_slots
+from radixserve.scheduler.kv_manager import KVManager
+from radixserve.scheduler.model_runner import ModelRunner
+from radixserve.scheduler.policy import order_waiting
+from radixserve.scheduler.request import FinishReason, Req, ReqState
+from radixserve.scheduler.stats import SchedulerStats
+from radixserve.scheduler.stop import StopChecker
+from radixserve.validation import check_input_ids
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+DEFAULT_MAX_RUNNING_REQUESTS = 128
+MAX_AUTO_POOL_TOKENS = 1 << 17
+
+
+def auto_pool_tokens(bytes_per_token: int, fraction: float, device: torch.device) -> int:
+    """KV pool size from free memory when ``max_total_tokens`` is not given."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1024, min(MAX_AUTO_POOL_TOKENS, int(free * fraction) // bytes_per_token))
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, model: torch.nn.Module, model_config: Any, tokenizer: Any | None) -> None:
+        self.args = args
+        self.model_config = model_config
+        self.device = torch.device(args.device)
+        self.dtype = getattr(torch, args.dtype)
+        self.page_size = args.page_size
+        self.context_len = args.context_length or model_config.max_context_len
+        self.vocab_size = model_config.vocab_size
+
+        kv_heads, head_dim, layers = (
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            model_config.num_layers,
+        )
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        pool_tokens = args.max_total_tokens or auto_pool_tokens(
+            2 * layers * kv_heads * head_dim * elem, args.kv_cache_memory_fraction, self.device
+        )
+        num_pages = max(1, pool_tokens // self.page_size)
+        self.pool_tokens = num_pages * self.page_size
+        self.max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+
+        self.allocator = PageAllocator(num_pages, self.page_size)
+        self.req_pool = ReqToTokenPool(self.max_running, self.context_len + self.page_size, self.device)
+        self.tree = RadixCache(self.page_size, self.allocator.free_slots, disable=args.disable_radix_cache)
+        self.kv = KVManager(self.allocator, self.req_pool, self.tree)
+        kv_pool = KVPool(self.allocator.num_slots, layers, kv_heads, head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(
+            model, self.vocab_size, kv_pool, self.req_pool, args.attention_backend, self.device
+        )
+        self.stop_checker = StopChecker(set(model_config.eos_token_ids), self.context_len, tokenizer)
+
+        self.reqs: dict[str, Req] = {}
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.stats = SchedulerStats()
+        self._admit_counter = 0
+        self._step_counter = 0
+        self._errors: list[ErrorOut] = []
+        self._aborted: list[Req] = []
+        self._last_forward_s = 0.0
+
+    # ---- requests in -------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {
+            "vocab_size": self.vocab_size,
+            "context_length": self.context_len,
+            "max_total_tokens": self.pool_tokens,
+            "max_running_requests": self.max_running,
+            "page_size": self.page_size,
+            "eos_token_ids": sorted(self.stop_checker.eos_token_ids),
+            "dtype": self.args.dtype,
+            "device": self.args.device,
+            "attention_backend": self.args.attention_backend,
+        }
+
+    def add_request(self, msg: GenerateReq) -> ErrorOut | None:
+        """Queue a request; a request that fails validation is answered with an ErrorOut."""
+        try:
+            if msg.rid in self.reqs:
+                raise ValueError(f"request id {msg.rid!r} is already in use")
+            ids = check_input_ids(msg.input_ids, self.vocab_size, self.context_len, self.pool_tokens)
+            params = SamplingParams.from_dict(msg.sampling_params)
+            params.validate_for_model(self.vocab_size)
+        except ValueError as e:
+            return ErrorOut(rid=msg.rid, message=str(e), status=400)
+        req = Req(msg.rid, ids, params, msg.seed, msg.return_logprob, msg.top_logprobs_num, msg.stream)
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self.stats.requests_received += 1
+        return None
+
+    def abort(self, rid: str) -> None:
+        """Drop a request wherever it is; its partial KV never enters the tree."""
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        if req.state == ReqState.WAITING:
+            self.waiting.remove(req)
+        elif req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
+            self.running.remove(req)
+        self.kv.release(req, cache=False)
+        req.finish_reason = FinishReason("abort")
+        req.state = ReqState.FINISHED
+        self.stats.requests_aborted += 1
+        self._aborted.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._aborted)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> TokenOut | None:
+        """One iteration: reserve decode slots, admit prefill work, forward, sample, stop."""
+        t_start = time.perf_counter()
+        self._step_counter += 1
+        finished: list[Req] = list(self._aborted)
+        self._aborted.clear()
+
+        prefilling = [self.chunked] if self.chunked is not None else []
+        retracted, out_of_memory = reserve_decode_slots(self.running, prefilling, self.kv)
+        for req in retracted:
+            if req is self.chunked:
+                self.chunked = None
+            else:
+                self.running.remove(req)
+        for req in reversed(sorted(retracted, key=lambda r: r.admit_seq)):
+            self.waiting.appendleft(req)
+        if retracted:
+            self.stats.retractions += len(retracted)
+            self.new_token_ratio = 1.0
+            logger.info("retracted %d request(s): KV pool full", len(retracted))
+        for req in out_of_memory:
+            self.running.remove(req)
+            self._finish(req, finished)
+
+        decodes = list(self.running)
+        plan = self._plan_prefill(len(decodes))
+        entries = [(r, 1) for r in decodes] + plan
+        if entries:
+            self._run_forward(entries, len(plan) > 0, finished)
+            if decodes:
+                self.new_token_ratio = max(
+                    MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+                )
+        self.stats.evicted_tokens = self.kv.evicted_tokens
+        out = self._collect_output(finished)
+        if entries:
+            step_s = time.perf_counter() - t_start
+            self.stats.record_step(len(entries), not plan, step_s, self._last_forward_s)
+        return out
+
+    def _plan_prefill(self, num_decodes: int) -> list[tuple[Req, int]]:
+        if not self.waiting and self.chunked is None:
+            return []
+        reserved = sum(reserve_tokens(r, self.new_token_ratio) for r in self.running)
+        adder = PrefillAdder(
+            self.kv,
+            token_budget=max(1, self.args.max_prefill_tokens - num_decodes),
+            chunk_size=self.args.chunked_prefill_size,
+            reserved_tokens=reserved,
+            new_token_ratio=self.new_token_ratio,
+        )
+        if self.chunked is not None:
+            if not adder.add_chunked(self.chunked) or adder.chunked is not None:
+                return adder.plan.entries
+        admitted: set[int] = set()
+        for req in order_waiting(list(self.waiting), self.args.schedule_policy, self.kv):
+            verdict = adder.add_waiting(req)
+            if verdict == "stop":
+                break
+            if verdict == "admitted":
+                admitted.add(id(req))
+                self._admit_counter += 1
+                req.admit_seq = self._admit_counter
+                if req.num_retractions == 0:
+                    self.stats.prompt_tokens += req.prompt_len
+                    self.stats.cached_tokens += req.cached_tokens or 0
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
+        return adder.plan.entries
+
+    def _run_forward(self, entries: list[tuple[Req, int]], has_prefill: bool, finished: list[Req]) -> None:
+        t0 = time.perf_counter()
+        logits = self.runner.forward(entries)
+        for req, n in entries:
+            req.kv_len += n
+        # Rows that sample: decodes, and prefills whose whole prompt is now computed.
+        sample_idx = [i for i, (r, _) in enumerate(entries) if r.kv_len == r.fill_len]
+        sample_reqs = [entries[i][0] for i in sample_idx]
+        out = self.runner.sample(logits[sample_idx], sample_reqs) if sample_reqs else None
+        self._last_forward_s = time.perf_counter() - t0
+
+        num_decode = sum(1 for r, n in entries if r.state == ReqState.RUNNING)
+        self.stats.decode_tokens += num_decode
+        self.stats.prefill_tokens_computed += sum(
+            n for r, n in entries if r.state == ReqState.PREFILLING
+        )
+        if num_decode:
+            self.stats.decode_steps += 1
+            if has_prefill:
+                self.stats.mixed_steps += 1
+
+        if out is not None:
+            for j, req in enumerate(sample_reqs):
+                req.output_ids.append(out.next_token_ids[j])
+                self.stats.generation_tokens += 1
+                if req.return_logprob and out.logprobs is not None:
+                    req.pending_logprobs.append(out.logprobs[j])
+                    req.pending_top_logprobs.append(
+                        [[t, lp] for t, lp in out.top_logprobs[j]] if out.top_logprobs else []
+                    )
+                req.finish_reason = self.stop_checker.check(req)
+
+        sampled = {id(r) for r in sample_reqs}
+        for req, _ in entries:
+            if req.state == ReqState.PREFILLING:
+                if req.finished:
+                    self._drop_from_lists(req)
+                    self._finish(req, finished)
+                    continue
+                if id(req) in sampled:  # prompt done, first token sampled
+                    req.state = ReqState.RUNNING
+                    self.running.append(req)
+                    if self.chunked is req:
+                        self.chunked = None
+                else:
+                    self.chunked = req
+                self.kv.cache_unfinished(req)
+            elif req.finished:
+                self.running.remove(req)
+                self._finish(req, finished)
+
+    def _drop_from_lists(self, req: Req) -> None:
+        if self.chunked is req:
+            self.chunked = None
+        if req in self.running:
+            self.running.remove(req)
+
+    def _finish(self, req: Req, finished: list[Req]) -> None:
+        self.kv.release(req, cache=True)
+        req.state = ReqState.FINISHED
+        self.stats.requests_finished += 1
+        finished.append(req)
+
+    # ---- requests out ------------------------------------------------------------------
+    def _collect_output(self, finished: list[Req]) -> TokenOut | None:
+        rows: list[Req] = list(finished)
+        if self._step_counter % self.args.stream_interval == 0:
+            rows += [
+                r for r in self.running if r.stream and r.output_len > r.sent_len and not r.finished
+            ]
+        if not rows:
+            return None
+        out = TokenOut(rids=[], new_ids=[], finished=[], meta=[], init=[], logprobs=[], top_logprobs=[])
+        for req in rows:
+            out.rids.append(req.rid)
+            out.new_ids.append(req.output_ids[req.sent_len :])
+            req.sent_len = req.output_len
+            out.finished.append(req.finish_reason.to_dict() if req.finish_reason else None)
+            out.meta.append(
+                {
+                    "prompt_tokens": req.prompt_len,
+                    "cached_tokens": req.cached_tokens or 0,
+                    "completion_tokens": req.output_len,
+                }
+            )
+            if req.sent_init:
+                out.init.append(None)
+            else:
+                req.sent_init = True
+                p = req.params
+                out.init.append(
+                    {
+                        "stop": p.stop,
+                        "skip_special_tokens": p.skip_special_tokens,
+                        "no_stop_trim": p.no_stop_trim,
+                    }
+                )
+            out.logprobs.append(req.pending_logprobs if req.return_logprob else None)
+            out.top_logprobs.append(req.pending_top_logprobs if req.return_logprob else None)
+            req.pending_logprobs, req.pending_top_logprobs = [], []
+            if req.finished:
+                self.reqs.pop(req.rid, None)
+        return out
+
+    # ---- control -----------------------------------------------------------------------
+    def live_requests(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.row is not None]
+
+    def check_memory(self) -> dict[str, Any]:
+        idle = not self.has_work
+        return self.kv.check_invariant(self.live_requests(), idle=idle)
+
+    def flush_cache(self) -> bool:
+        """Drop the whole tree; refused (False) while requests are in flight."""
+        if self.has_work:
+            return False
+        self.tree.reset()
+        self.allocator.reset()
+        return True
+
+    def get_stats(self) -> dict[str, Any]:
+        d = self.stats.to_dict()
+        d.update(
+            running=len(self.running) + (1 if self.chunked else 0),
+            waiting=len(self.waiting),
+            free_pages=self.allocator.num_free_pages,
+            total_pages=self.allocator.num_pages,
+            tree_tokens=self.tree.total_size(),
+            evictable_tokens=self.tree.evictable_size(),
+            new_token_ratio=self.new_token_ratio,
+        )
+        return d

@@ -1,0 +1,50 @@
+"""Scheduler counters: token accounting, cache hits, retractions, step timing."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    requests_received: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0  # of admitted requests (first admission)
+    cached_tokens: int = 0  # prompt tokens served from the tree at first admission
+    prefill_tokens_computed: int = 0  # extend tokens computed, recomputation included
+    decode_tokens: int = 0
+    generation_tokens: int = 0  # sampled tokens, first tokens included
+    forward_steps: int = 0
+    decode_steps: int = 0  # forwards that carried at least one decode row
+    mixed_steps: int = 0  # forwards that carried decode and prefill rows together
+    retractions: int = 0
+    evicted_tokens: int = 0
+    forward_seconds: float = 0.0  # model forward + sampling
+    step_seconds: float = 0.0  # whole steps (forward included)
+    # Per batch-size bucket (power of two of running requests) of decode-only steps:
+    # [steps, seconds outside the forward], to report scheduler overhead at scale.
+    overhead_by_batch: dict[str, list[float]] = field(default_factory=dict)
+
+    def record_step(self, batch_size: int, decode_only: bool, step_s: float, forward_s: float) -> None:
+        self.forward_steps += 1
+        self.step_seconds += step_s
+        self.forward_seconds += forward_s
+        if decode_only:
+            bucket = str(1 << max(0, (batch_size - 1).bit_length()))
+            entry = self.overhead_by_batch.setdefault(bucket, [0, 0.0])
+            entry[0] += 1
+            entry[1] += step_s - forward_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cache_hit_rate"] = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        d["overhead_ms_per_step"] = (
+            1000 * (self.step_seconds - self.forward_seconds) / self.forward_steps
+            if self.forward_steps
+            else 0.0
+        )
+        d["overhead_ms_by_batch"] = {
+            k: 1000 * v[1] / v[0] for k, v in sorted(self.overhead_by_batch.items(), key=lambda kv: int(kv[0]))
+        }
+        return d

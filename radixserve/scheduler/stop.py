@@ -1,0 +1,44 @@
+"""Stop conditions, checked after every sampled token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.scheduler.request import FinishReason, Req
+
+
+class StopChecker:
+    def __init__(self, eos_token_ids: set[int], context_len: int, tokenizer: Any | None) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.tokenizer = tokenizer  # only needed for stop strings
+
+    def check(self, req: Req) -> FinishReason | None:
+        """Why ``req`` must stop after its newest token, or None to keep going."""
+        token = req.output_ids[-1]
+        params = req.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason("stop", token)
+        if token in params.stop_token_ids:
+            return FinishReason("stop", token)
+        if params.stop and self.tokenizer is not None:
+            matched = self._match_stop_string(req)
+            if matched is not None:
+                return FinishReason("stop", matched)
+        if req.output_len >= params.max_new_tokens:
+            return FinishReason("length")
+        if req.fill_len >= self.context_len:
+            return FinishReason("length")
+        return None
+
+    def _match_stop_string(self, req: Req) -> str | None:
+        # A stop string completed by the newest token lies in the last len(s) characters; a
+        # few extra tokens of context cover tokens that decode to partial characters.
+        window = max(len(s) for s in req.params.stop) + 4
+        tail = self.tokenizer.decode(
+            req.output_ids[-window:], skip_special_tokens=req.params.skip_special_tokens
+        )
+        for s in req.params.stop:
+            if s in tail:
+                return s
+        return None

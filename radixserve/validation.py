@@ -1,0 +1,29 @@
+"""Checks on a request's token ids, shared by the front end and the scheduler."""
+
+from __future__ import annotations
+
+
+def check_input_ids(input_ids: object, vocab_size: int, context_len: int, pool_tokens: int) -> list[int]:
+    """Return the ids as a list of ints or raise ``ValueError`` saying what is wrong."""
+    if not isinstance(input_ids, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+    ):
+        raise ValueError("input_ids must be a list of integers")
+    if len(input_ids) == 0:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in input_ids if t < 0 or t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}) "
+            f"({len(bad)} invalid id(s))"
+        )
+    if len(input_ids) >= context_len:
+        raise ValueError(
+            f"the prompt has {len(input_ids)} tokens; the context length is {context_len} "
+            "(prompt plus at least one generated token must fit)"
+        )
+    if len(input_ids) + 1 > pool_tokens:
+        raise ValueError(
+            f"the prompt has {len(input_ids)} tokens but the KV pool holds {pool_tokens}"
+        )
+    return list(input_ids)

@@ -1,0 +1,57 @@
+"""Drives an in-process :class:`Scheduler` step by step, checking the memory invariant."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from radixserve.config import ServerArgs
+from radixserve.messages import GenerateReq
+from radixserve.model.loader import load_model
+from radixserve.scheduler.scheduler import Scheduler
+
+_rid = itertools.count()
+
+
+def make_scheduler(folder: str, tokenizer: Any = None, **settings: Any) -> Scheduler:
+    args = ServerArgs.from_kwargs(model=folder, device="cpu", dtype="float32", **settings).resolve()
+    loaded = load_model(folder, torch.float32)
+    return Scheduler(args, loaded.model, loaded.config, tokenizer)
+
+
+def submit(sched: Scheduler, prompt: list[int], **params: Any) -> str:
+    rid = f"r{next(_rid)}"
+    params.setdefault("temperature", 0.0)
+    err = sched.add_request(GenerateReq(rid=rid, input_ids=prompt, sampling_params=params, seed=0))
+    if err is not None:
+        raise ValueError(err.message)
+    return rid
+
+
+def run_until_idle(sched: Scheduler, max_steps: int = 10_000, on_step: Any = None) -> dict[str, dict[str, Any]]:
+    """Step until no work is left; returns per request ``output_ids``, ``finished``, ``meta``.
+
+    The KV invariant (free + tree + requests == all pages) is checked after every step, and
+    with "no lock left" once idle.
+    """
+    results: dict[str, dict[str, Any]] = {}
+    for step in range(max_steps):
+        if not sched.has_work:
+            break
+        out = sched.step()
+        sched.check_memory()
+        if out is not None:
+            for i, rid in enumerate(out.rids):
+                r = results.setdefault(rid, {"output_ids": [], "finished": None, "meta": None})
+                r["output_ids"].extend(out.new_ids[i])
+                r["finished"] = out.finished[i]
+                r["meta"] = out.meta[i]
+        if on_step is not None:
+            on_step(step, sched)
+    else:
+        raise RuntimeError("scheduler did not become idle")
+    report = sched.check_memory()
+    assert report["locked_tokens"] == 0
+    return results

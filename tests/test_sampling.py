@@ -1,0 +1,415 @@
+"""Sampling: parameter validation, penalties, logprobs, filters, seeded reproducibility."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+import torch
+
+from radixserve.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    apply_frequency_presence_penalties,
+    apply_repetition_penalty,
+    count_tokens,
+    counter_uniform,
+    draw_seed,
+    pad_token_ids,
+    sample,
+)
+
+P = SamplingParams
+
+
+def _draw(
+    params: list[SamplingParams],
+    logits: torch.Tensor,
+    seeds: list[int] | None = None,
+    outputs: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None,
+    **kwargs,
+):
+    n, vocab = logits.shape
+    batch = SamplingBatch.build(
+        params,
+        seeds if seeds is not None else list(range(n)),
+        outputs if outputs is not None else [[] for _ in range(n)],
+        prompts,
+        vocab,
+        "cpu",
+    )
+    return sample(logits, batch, **kwargs)
+
+
+# ---------------------------------------------------------------- SamplingParams
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_new_tokens", 0),
+        ("max_new_tokens", -3),
+        ("max_new_tokens", 10.0),
+        ("max_new_tokens", True),
+        ("max_new_tokens", "8"),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", "1"),
+        ("temperature", True),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", -0.5),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("frequency_penalty", 2.5),
+        ("frequency_penalty", -2.01),
+        ("presence_penalty", 3),
+        ("presence_penalty", -3),
+        ("stop", 5),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", ["ok", 3]),
+        ("stop_token_ids", 5),
+        ("stop_token_ids", [1, -1]),
+        ("stop_token_ids", [1, 2.0]),
+        ("stop_token_ids", [True]),
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("seed", True),
+        ("seed", 2**64),
+        ("ignore_eos", 1),
+        ("skip_special_tokens", "yes"),
+        ("no_stop_trim", "false"),
+    ],
+)
+def test_bad_values_rejected_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict({field: value})
+
+
+def test_unknown_key_rejected_with_valid_names():
+    with pytest.raises(ValueError) as err:
+        SamplingParams.from_dict({"temprature": 0.5})
+    message = str(err.value)
+    assert "temprature" in message
+    assert "temperature" in message and "max_new_tokens" in message
+
+
+def test_defaults_none_and_normalisation():
+    assert SamplingParams.from_dict(None) == SamplingParams()
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    p = SamplingParams.from_dict({"temperature": 0, "stop": "END", "seed": None, "top_p": 1})
+    assert p.temperature == 0.0 and isinstance(p.temperature, float)
+    assert isinstance(p.top_p, float)
+    assert p.stop == ["END"] and p.seed is None
+    assert P(stop=None).stop == []
+    d = P().to_dict()
+    assert d["max_new_tokens"] == 128 and d["top_k"] == -1 and d["skip_special_tokens"] is True
+
+
+def test_round_trip_through_orjson():
+    p = P(
+        max_new_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        stop=["\n\n", "END"],
+        stop_token_ids=[2, 5],
+        repetition_penalty=1.1,
+        frequency_penalty=-0.5,
+        presence_penalty=0.25,
+        seed=-12345,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        no_stop_trim=True,
+    )
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert SamplingParams.from_dict(orjson.loads(orjson.dumps(p.to_dict()))) == p
+
+
+def test_validate_for_model_and_is_greedy():
+    P(stop_token_ids=[0, 99]).validate_for_model(100)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        P(stop_token_ids=[0, 100]).validate_for_model(100)
+    assert P(temperature=0).is_greedy and P(top_k=1).is_greedy
+    assert not P().is_greedy and not P(temperature=0.01, top_k=2).is_greedy
+    assert 0 <= draw_seed() < 2**63
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def test_count_tokens_ignores_padding_and_out_of_range():
+    padded = pad_token_ids([[1, 1, 3], [], [4, 9, -1]], vocab_size=5, device="cpu")
+    assert padded.tolist() == [[1, 1, 3], [5, 5, 5], [4, 5, 5]]
+    counts = count_tokens(padded, 5)
+    assert counts.tolist() == [[0, 2, 0, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+
+
+def test_repetition_penalty_hf_semantics():
+    logits = torch.tensor([[2.0, -2.0, 4.0, -1.0], [2.0, -2.0, 4.0, -1.0]])
+    seen = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    out = apply_repetition_penalty(logits, seen, torch.tensor([2.0, 1.0]))
+    assert torch.equal(out, torch.tensor([[1.0, -4.0, 4.0, -1.0], [2.0, -2.0, 4.0, -1.0]]))
+
+
+def test_frequency_and_presence_penalties_openai_semantics():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    counts = torch.tensor([[0.0, 1.0, 3.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    out = apply_frequency_presence_penalties(
+        logits, counts, torch.tensor([0.5, 0.0]), torch.tensor([0.25, -1.0])
+    )
+    expected = torch.tensor([[1.0, 1.0 - 0.5 - 0.25, 1.0 - 1.5 - 0.25, 1.0], [1.5, 0.5, 0.5, 0.5]])
+    assert torch.allclose(out, expected)
+
+
+def test_penalties_in_sample_use_prompt_for_repetition_and_output_for_frequency():
+    logits = torch.tensor([[3.0, 2.0, 1.0, -1.0, 0.0]] * 3)
+    prompts = [[0], [0], [0]]
+    outputs = [[3, 1], [1, 1, 2], [1]]
+    params = [
+        P(temperature=0, repetition_penalty=2.0),
+        P(temperature=0, frequency_penalty=1.0, presence_penalty=0.5),
+        P(temperature=0),  # neutral companion: untouched
+    ]
+    out = _draw(params, logits, outputs=outputs, prompts=prompts, top_logprobs_num=[5, 5, 5])
+    expected = torch.tensor(
+        [
+            [1.5, 1.0, 1.0, -2.0, 0.0],  # seen {0, 1, 3}: 3/2, 2/2, -1*2
+            [3.0, 2.0 - 2.0 - 0.5, 1.0 - 1.0 - 0.5, -1.0, 0.0],
+            [3.0, 2.0, 1.0, -1.0, 0.0],
+        ]
+    )
+    want = torch.log_softmax(expected, dim=-1)
+    assert out.next_token_ids == [0, 0, 0]
+    for row, pairs in enumerate(out.top_logprobs):
+        got = torch.zeros(5)
+        for token, lp in pairs:
+            got[token] = lp
+        assert torch.allclose(got, want[row], atol=1e-6)
+    # A penalty that flips the argmax.
+    flipped = _draw([P(temperature=0, repetition_penalty=4.0)], logits[:1], outputs=[[0]])
+    assert flipped.next_token_ids == [1]
+
+
+# ---------------------------------------------------------------- greedy
+
+
+def test_greedy_rows_are_argmax_in_a_mixed_batch():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=gen) * 3
+    params = [
+        P(temperature=0) if i % 3 == 0 else P(top_k=1) if i % 3 == 1 else P() for i in range(64)
+    ]
+    out = _draw(params, logits).next_token_ids
+    argmax = logits.argmax(-1).tolist()
+    for i in range(64):
+        if i % 3 != 2:
+            assert out[i] == argmax[i]
+    assert [out[i] for i in range(2, 64, 3)] != [argmax[i] for i in range(2, 64, 3)]
+    assert _draw([P(temperature=0)] * 64, logits).next_token_ids == argmax
+    assert _draw([P(top_k=1, temperature=5.0)] * 64, logits).next_token_ids == argmax
+
+
+def test_logits_not_modified():
+    logits = torch.randn(3, 20)
+    before = logits.clone()
+    _draw(
+        [P(repetition_penalty=1.5), P(frequency_penalty=1.0, top_p=0.5), P(temperature=0.3)],
+        logits,
+        outputs=[[1, 2], [3], [4]],
+    )
+    assert torch.equal(logits, before)
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def _generate(params: SamplingParams, seed: int, steps: int, vocab: int = 500) -> list[int]:
+    """A fake decode loop: the logits depend on the step only, the draw on (seed, step)."""
+    out: list[int] = []
+    for step in range(steps):
+        logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(step))
+        out += _draw([params], logits, seeds=[seed], outputs=[list(out)]).next_token_ids
+    return out
+
+
+def test_same_seed_same_tokens_over_many_steps():
+    params = P(temperature=1.2, top_p=0.95)
+    first = _generate(params, seed=42, steps=40)
+    assert _generate(params, seed=42, steps=40) == first
+    assert len(set(first)) > 10  # actually sampling, not stuck
+
+
+def test_different_seeds_give_different_tokens():
+    params = P(temperature=1.0)
+    runs = [tuple(_generate(params, seed=s, steps=12)) for s in range(8)]
+    assert len(set(runs)) == 8
+    # First tokens over many seeds on flat logits spread over the vocabulary.
+    firsts = _draw([params] * 400, torch.zeros(400, 1000), seeds=list(range(400))).next_token_ids
+    assert len(set(firsts)) > 250
+
+
+def test_seed_result_independent_of_batch_position_and_companions():
+    target = P(temperature=0.8, top_p=0.9, min_p=0.01, repetition_penalty=1.2)
+    companions = [
+        P(temperature=0),
+        P(top_k=5, frequency_penalty=0.7),
+        P(temperature=1.5, presence_penalty=-1.0),
+        P(top_k=1),
+        P(min_p=0.3, top_p=0.5),
+    ]
+    vocab = 400
+    alone: list[int] = []
+    for step in range(25):
+        row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1000 + step))
+        alone += _draw(
+            [target], row, seeds=[777], outputs=[list(alone)], prompts=[[1, 2]]
+        ).next_token_ids
+    for position in range(4):
+        gen = torch.Generator().manual_seed(position)
+        mine: list[int] = []
+        for step in range(25):
+            row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1000 + step))
+            others = [companions[(position + j) % len(companions)] for j in range(3)]
+            logits = torch.randn(len(others) + 1, vocab, generator=gen)
+            logits[position] = row[0]
+            params = list(others)
+            params.insert(position, target)
+            seeds = [int(torch.randint(0, 2**31, (1,), generator=gen)) for _ in params]
+            seeds[position] = 777
+            outputs = [
+                [int(t) for t in torch.randint(0, vocab, (step,), generator=gen)] for _ in params
+            ]
+            outputs[position] = list(mine)
+            prompts = [[5, 6, 7] for _ in params]
+            prompts[position] = [1, 2]
+            mine.append(_draw(params, logits, seeds, outputs, prompts).next_token_ids[position])
+        assert mine == alone
+
+
+def test_counter_uniform_is_in_open_interval_and_pure():
+    seeds = torch.tensor([0, 1, -5, 2**62], dtype=torch.int64)
+    steps = torch.tensor([0, 0, 3, 9], dtype=torch.int64)
+    u = counter_uniform(seeds, steps, 50_000)
+    assert (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert torch.equal(counter_uniform(seeds[2:3], steps[2:3], 100), u[2:3, :100])
+    assert not torch.equal(u[0], u[1])
+
+
+# ---------------------------------------------------------------- filters and distribution
+
+PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
+
+
+def _frequencies(params: SamplingParams, n: int = 20_000, by_step: bool = False) -> torch.Tensor:
+    logits = PROBS.log().expand(n, -1).clone()
+    if by_step:  # one request over many steps
+        batch = SamplingBatch.build([params] * n, [9] * n, [[]] * n, None, 6, "cpu")
+        batch.steps = torch.arange(n, dtype=torch.int64)
+    else:  # many requests, one step
+        batch = SamplingBatch.build([params] * n, list(range(n)), [[]] * n, None, 6, "cpu")
+    ids = torch.tensor(sample(logits, batch).next_token_ids)
+    return torch.bincount(ids, minlength=6).double() / n
+
+
+def _chi_square(freq: torch.Tensor, expected: torch.Tensor, n: int = 20_000) -> float:
+    keep = expected > 0
+    assert (freq[~keep] == 0).all(), "a filtered token was sampled"
+    e = expected[keep].double() * n
+    return float(((freq[keep] * n - e) ** 2 / e).sum())
+
+
+@pytest.mark.parametrize("by_step", [False, True])
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (P(), PROBS),
+        (P(temperature=0.5), PROBS**2 / (PROBS**2).sum()),
+        (P(top_k=3), torch.tensor([0.4, 0.25, 0.15, 0, 0, 0]) / 0.8),
+        # exclusive cumulative mass 0, .4, .65, .8 ...: top_p .7 keeps the first three
+        (P(top_p=0.7), torch.tensor([0.4, 0.25, 0.15, 0, 0, 0]) / 0.8),
+        # top_k 3 leaves mass .8; top_p .75 of it = .6 < .65: keeps .4 and .25 (top_p is
+        # measured on what top_k left, renormalised; on the full mass it would keep .15 too)
+        (P(top_k=3, top_p=0.75), torch.tensor([0.4, 0.25, 0, 0, 0, 0]) / 0.65),
+        # min_p .3 of max .4 = .12: keeps .4, .25, .15
+        (P(min_p=0.3), torch.tensor([0.4, 0.25, 0.15, 0, 0, 0]) / 0.8),
+    ],
+)
+def test_distribution_matches_filtered_softmax(params, expected, by_step):
+    freq = _frequencies(params, by_step=by_step)
+    dof = int((expected > 0).sum()) - 1
+    # Deterministic (fixed seeds); the bound is far in the tail of chi-square(dof).
+    assert _chi_square(freq, expected) < 20 + 4 * dof
+
+
+def test_filters_never_sample_a_filtered_token_large_vocab():
+    gen = torch.Generator().manual_seed(3)
+    n, vocab = 3000, 2000
+    logits = (torch.randn(vocab, generator=gen) * 2).expand(n, -1).clone()
+    probs = torch.softmax(logits[0], -1)
+    order = probs.argsort(descending=True)
+    cases = {
+        "top_k": (P(top_k=7), set(order[:7].tolist())),
+        "min_p": (P(min_p=0.2), set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())),
+    }
+    cumulative = probs[order].cumsum(0)
+    kept = int((cumulative - probs[order] <= 0.5).sum())
+    cases["top_p"] = (P(top_p=0.5), set(order[:kept].tolist()))
+    for name, (params, allowed) in cases.items():
+        drawn = set(_draw([params] * n, logits, seeds=list(range(n))).next_token_ids)
+        assert drawn <= allowed, name
+        assert len(drawn) >= min(len(allowed), 5), name
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_log_softmax_of_penalised_logits_before_temperature():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 50, generator=gen)
+    params = [P(temperature=0.3), P(temperature=0), P(top_k=3, temperature=2.0), P()]
+    out = _draw(
+        params, logits, return_logprob=[True, False, True, True], top_logprobs_num=[3, 0, 5, 1]
+    )
+    reference = torch.log_softmax(logits, -1)
+    for row, token in enumerate(out.next_token_ids):
+        assert math.isclose(out.logprobs[row], reference[row, token].item(), abs_tol=1e-6)
+    assert [len(t) for t in out.top_logprobs] == [3, 0, 5, 1]
+    for row, pairs in enumerate(out.top_logprobs):
+        values = [lp for _, lp in pairs]
+        assert values == sorted(values, reverse=True)
+        expected_ids = reference[row].argsort(descending=True)[: len(pairs)].tolist()
+        assert [t for t, _ in pairs] == expected_ids
+        for token, lp in pairs:
+            assert math.isclose(lp, reference[row, token].item(), abs_tol=1e-6)
+
+    plain = _draw(params, logits)
+    assert plain.logprobs is None and plain.top_logprobs is None
+    assert plain.next_token_ids == out.next_token_ids
+
+
+def test_bad_batch_shapes_raise():
+    logits = torch.zeros(2, 10)
+    with pytest.raises(ValueError):
+        _draw([P()] * 2, logits, return_logprob=[True])
+    batch = SamplingBatch.build([P()], [0], [[]], None, 10, "cpu")
+    with pytest.raises(ValueError):
+        sample(logits, batch)
+    with pytest.raises(ValueError):
+        SamplingBatch.build([P()], [0, 1], [[]], None, 10, "cpu")
+
+
+def test_seeds_beyond_int64_wrap_consistently():
+    logits = torch.zeros(2, 1000)
+    out = _draw([P(), P()], logits, seeds=[2**64 - 1, -1]).next_token_ids
+    assert out[0] == out[1]
