@@ -236,6 +236,7 @@ class Engine:
 
     def shutdown(self) -> None:
         if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._watchdog.cancel)
             try:
                 asyncio.run_coroutine_threadsafe(self.tm.close(), self._loop).result(5)
             except (RuntimeError, TimeoutError, AttributeError) as e:
