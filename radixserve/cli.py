@@ -28,6 +28,11 @@ _HELP = {
     "kv_cache_memory_fraction": "share of free memory for the KV pool when max_total_tokens is unset",
     "log_level": "debug, info, warning, error",
     "startup_timeout": "seconds to wait for the model to load",
+    "host": "HTTP server address",
+    "port": "HTTP server port",
+    "served_model_name": "model name reported by /v1/models and accepted in requests",
+    "max_queued_requests": "waiting requests beyond which new ones get HTTP 503 (unlimited when unset)",
+    "api_key": "require 'Authorization: Bearer <key>' on HTTP requests",
 }
 
 

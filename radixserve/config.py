@@ -36,6 +36,11 @@ class ServerArgs:
     stream_interval: int = 1  # send streamed tokens every N decode steps
     kv_cache_memory_fraction: float = 0.25  # of free host/GPU memory, when max_total_tokens is None
     log_level: str = "info"
+    host: str = "127.0.0.1"  # HTTP server address
+    port: int = 30000  # HTTP server port
+    served_model_name: str | None = None  # name in /v1/models; defaults to the model folder's
+    max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503
+    api_key: str | None = None  # when set, HTTP requests need "Authorization: Bearer <key>"
     startup_timeout: float = 600.0  # seconds to wait for the model to load
 
     def __post_init__(self) -> None:
@@ -47,7 +52,13 @@ class ServerArgs:
             raise ValueError(
                 f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("page_size", "max_total_tokens", "max_running_requests", "context_length"):
+        for name in (
+            "page_size",
+            "max_total_tokens",
+            "max_running_requests",
+            "context_length",
+            "max_queued_requests",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -59,6 +70,8 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be -1 (off) or >= 1")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
 

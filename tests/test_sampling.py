@@ -413,3 +413,22 @@ def test_seeds_beyond_int64_wrap_consistently():
     logits = torch.zeros(2, 1000)
     out = _draw([P(), P()], logits, seeds=[2**64 - 1, -1]).next_token_ids
     assert out[0] == out[1]
+
+
+def test_logit_bias_adds_to_logits_and_round_trips() -> None:
+    import orjson
+
+    params = SamplingParams.from_dict({"temperature": 0, "logit_bias": {"3": 100, 7: -100}})
+    assert params.logit_bias == {3: 100.0, 7: -100.0}
+    assert SamplingParams.from_dict(orjson.loads(orjson.dumps(params.to_dict()))) == params
+    logits = torch.zeros(2, 10)
+    logits[:, 7] = 5.0
+    batch = SamplingBatch.build([params, SamplingParams(temperature=0)], [0, 0], [[], []], None, 10, "cpu")
+    out = sample(logits, batch)
+    assert out.next_token_ids == [3, 7]  # row 0 biased to 3 (and away from 7); row 1 untouched
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_dict({"logit_bias": {"x": 1}})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_dict({"logit_bias": {"1": 101}})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_dict({"logit_bias": {"9999": 1}}).validate_for_model(10)

@@ -58,6 +58,27 @@ def _check_stop(value: Any) -> list[str]:
     return list(value)
 
 
+def _check_logit_bias(value: Any) -> dict[int, float]:
+    """``{token_id: bias}``; keys may be ints or digit strings (JSON objects), bias in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"sampling_params.logit_bias must be an object, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            tok = int(key) if not isinstance(key, bool) else -1
+        except (TypeError, ValueError):
+            tok = -1
+        if tok < 0:
+            raise ValueError(f"sampling_params.logit_bias keys must be token ids, got {key!r}")
+        bias = _check_float("logit_bias", bias)
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"sampling_params.logit_bias values must be in [-100, 100], got {bias}")
+        out[tok] = bias
+    return out
+
+
 def _check_stop_token_ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -89,6 +110,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits first
 
     def __post_init__(self) -> None:
         # Normalise types (ints accepted for floats, str for stop) and check ranges.  The
@@ -109,6 +131,7 @@ class SamplingParams:
         put("top_k", _check_int("top_k", self.top_k))
         put("stop", _check_stop(self.stop))
         put("stop_token_ids", _check_stop_token_ids(self.stop_token_ids))
+        put("logit_bias", _check_logit_bias(self.logit_bias))
         if self.seed is not None:
             put("seed", _check_int("seed", self.seed))
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
@@ -159,6 +182,7 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}  # JSON keys are str
         return out
 
     def validate_for_model(self, vocab_size: int) -> None:
@@ -167,6 +191,11 @@ class SamplingParams:
         if bad:
             raise ValueError(
                 f"sampling_params.stop_token_ids {bad} out of range for vocab size {vocab_size}"
+            )
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"sampling_params.logit_bias token ids {bad} out of range for vocab size {vocab_size}"
             )
 
     @property

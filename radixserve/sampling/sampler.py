@@ -1,7 +1,8 @@
 """Batched sampling: penalties, logprobs, temperature, top-k / top-p / min-p, seeded draws.
 
 Order of operations inside ``sample`` (per row, all rows at once):
-  1. penalties on the raw logits: repetition (HF, tokens of prompt + output), then
+  0. ``logit_bias`` (OpenAI) is added to the raw logits;
+  1. penalties on the biased logits: repetition (HF, tokens of prompt + output), then
      frequency and presence (OpenAI, output tokens only);
   2. logprobs: ``log_softmax`` of the *penalised* logits, taken BEFORE temperature and the
      top-k / top-p / min-p filters, so a reported logprob is the model's own (penalised)
@@ -94,6 +95,8 @@ class SamplingBatch:
     # Penalty state; None when no row of the batch uses that penalty.
     seen_mask: torch.Tensor | None = None  # [B, V] bool, token in prompt + output
     output_counts: torch.Tensor | None = None  # [B, V] float32, count in output
+    # Sparse logit bias: (rows, token ids, values); None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -168,6 +171,15 @@ class SamplingBatch:
             need_min_p=any(p.min_p > 0.0 for p in sampled_params),
         )
 
+        if any(p.logit_bias for p in params):
+            rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+            cols = [t for p in params for t in p.logit_bias]
+            vals = [b for p in params for b in p.logit_bias.values()]
+            batch.logit_bias = (
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(cols, dtype=torch.int64, device=device),
+                torch.tensor(vals, dtype=torch.float32, device=device),
+            )
         # Rows without a given penalty contribute no ids: their counts stay 0 (neutral anyway).
         if any(p.repetition_penalty != 1.0 for p in params):
             seen_ids = [
@@ -265,6 +277,9 @@ def sample(
         return SampleOutput([], None, None)
 
     logits = logits.float()
+    if batch.logit_bias is not None:
+        rows, cols, vals = batch.logit_bias
+        logits = logits.index_put((rows, cols), vals, accumulate=True)
     if batch.seen_mask is not None:
         logits = apply_repetition_penalty(logits, batch.seen_mask, batch.rep_penalties)
     if batch.output_counts is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +63,8 @@ class Req:
         self.output_ids: list[int] = []
         self.state = ReqState.WAITING
         self.finish_reason: FinishReason | None = None
-        self.aborted = False
+        self.arrival_time = time.perf_counter()
+        self.queue_time: float | None = None  # seconds from arrival to first admission
         # KV bookkeeping (see class docstring)
         self.row: int | None = None
         self.kv_len = 0

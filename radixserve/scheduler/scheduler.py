@@ -114,6 +114,13 @@ class Scheduler:
             params.validate_for_model(self.vocab_size)
         except ValueError as e:
             return ErrorOut(rid=msg.rid, message=str(e), status=400)
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            return ErrorOut(
+                rid=msg.rid,
+                message=f"the request queue is full ({limit} waiting); retry later",
+                status=503,
+            )
         req = Req(msg.rid, ids, params, msg.seed, msg.return_logprob, msg.top_logprobs_num, msg.stream)
         self.reqs[req.rid] = req
         self.waiting.append(req)
@@ -205,6 +212,8 @@ class Scheduler:
                 admitted.add(id(req))
                 self._admit_counter += 1
                 req.admit_seq = self._admit_counter
+                if req.queue_time is None:
+                    req.queue_time = time.perf_counter() - req.arrival_time
                 if req.num_retractions == 0:
                     self.stats.prompt_tokens += req.prompt_len
                     self.stats.cached_tokens += req.cached_tokens or 0
@@ -295,6 +304,7 @@ class Scheduler:
                     "prompt_tokens": req.prompt_len,
                     "cached_tokens": req.cached_tokens or 0,
                     "completion_tokens": req.output_len,
+                    "queue_time": req.queue_time,
                 }
             )
             if req.sent_init:

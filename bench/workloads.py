@@ -1,0 +1,150 @@
+"""Benchmark workloads built from real English text that is available offline.
+
+The text is the docstrings of a fixed list of Python standard-library modules (and of their
+public classes and functions), split into paragraphs. A seeded shuffle of the paragraphs is
+tokenized into one stream, and every prompt piece is a fresh, non-overlapping window of that
+stream cut to an exact token count, so no two pieces share text by construction.
+
+``shared_prefix_workload`` is the "generated-shared-prefix" shape of SGLang's benchmarks:
+``groups`` system prompts of ``system_len`` tokens, each followed by ``questions`` questions
+of ``question_len`` tokens, interleaved across groups (g0q0, g1q0, ..., g0q1, g1q1, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# Pure-Python modules with long prose docstrings; order fixes the corpus.
+CORPUS_MODULES = (
+    "argparse", "asyncio.events", "asyncio.queues", "asyncio.tasks", "base64", "bisect",
+    "calendar", "collections", "configparser", "contextlib", "copy", "csv", "dataclasses",
+    "datetime", "decimal", "difflib", "email.message", "enum", "fractions", "ftplib",
+    "functools", "gettext", "glob", "gzip", "heapq", "hmac", "http.client", "http.cookiejar",
+    "imaplib", "inspect", "ipaddress", "json", "logging", "mailbox", "numbers", "optparse",
+    "os", "pathlib", "pickle", "pprint", "pydoc", "queue", "random", "re", "sched", "shlex",
+    "shutil", "smtplib", "socket", "statistics", "string", "subprocess", "tarfile",
+    "tempfile", "textwrap", "threading", "timeit", "tokenize", "traceback", "typing",
+    "unittest.case", "urllib.parse", "urllib.request", "uuid", "warnings", "weakref",
+    "zipfile",
+)
+MIN_PARAGRAPH_WORDS = 8
+
+
+def _docstrings(module_name: str) -> Iterator[str]:
+    """The module's docstring, then those of its own public classes, their methods, functions."""
+    module = importlib.import_module(module_name)
+    yield inspect.getdoc(module) or ""
+    for name, obj in sorted(vars(module).items()):
+        if name.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        if obj.__module__ != module.__name__:  # re-exported from elsewhere
+            continue
+        if inspect.isclass(obj):
+            yield inspect.getdoc(obj) or ""
+            for attr, member in sorted(vars(obj).items()):
+                if not attr.startswith("_") and inspect.isfunction(member):
+                    yield inspect.getdoc(member) or ""
+        elif inspect.isfunction(obj):
+            yield inspect.getdoc(obj) or ""
+
+
+def _is_prose(paragraph: str) -> bool:
+    """Keep paragraphs of English sentences; drop code samples, tables and signatures."""
+    words = paragraph.split()
+    if len(words) < MIN_PARAGRAPH_WORDS or paragraph.lstrip().startswith((">>>", "..")):
+        return False
+    letters = sum(c.isalpha() or c.isspace() for c in paragraph)
+    return letters / len(paragraph) > 0.85
+
+
+def english_paragraphs() -> list[str]:
+    """Deduplicated prose paragraphs of the corpus modules, in a fixed order."""
+    seen: set[str] = set()
+    paragraphs: list[str] = []
+    for module_name in CORPUS_MODULES:
+        with warnings.catch_warnings():  # e.g. typing.io: deprecated names still get read
+            warnings.simplefilter("ignore", DeprecationWarning)
+            docs = list(_docstrings(module_name))
+        for doc in docs:
+            for block in doc.split("\n\n"):
+                text = " ".join(block.split())
+                if text not in seen and _is_prose(text):
+                    seen.add(text)
+                    paragraphs.append(text)
+    return paragraphs
+
+
+class TokenStream:
+    """Seeded shuffle of the corpus paragraphs, tokenized lazily; hands out disjoint windows."""
+
+    def __init__(self, tokenizer: Any, seed: int) -> None:
+        self.tokenizer = tokenizer
+        self.paragraphs = english_paragraphs()
+        random.Random(seed).shuffle(self.paragraphs)
+        self.next_paragraph = 0
+        self.buffer: list[int] = []
+
+    def take(self, n: int) -> list[int]:
+        """The next ``n`` tokens of the stream, exactly."""
+        while len(self.buffer) < n:
+            if self.next_paragraph == len(self.paragraphs):
+                raise ValueError(
+                    f"the corpus ran out of text: {len(self.paragraphs)} paragraphs are not "
+                    f"enough for this workload; shrink it"
+                )
+            text = self.paragraphs[self.next_paragraph] + "\n\n"
+            self.next_paragraph += 1
+            self.buffer.extend(self.tokenizer.encode(text, add_special_tokens=False))
+        window, self.buffer = self.buffer[:n], self.buffer[n:]
+        return window
+
+
+@dataclass(frozen=True)
+class SharedPrefixWorkload:
+    groups: int
+    questions: int  # per group
+    system_len: int
+    question_len: int
+    prompts: list[list[int]]  # interleaved: prompts[i] belongs to group i % groups
+    group_of: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def unique_tokens(self) -> int:
+        """Tokens a perfect prefix cache computes: each system prompt once, every question."""
+        return self.groups * self.system_len + self.num_requests * self.question_len
+
+
+def shared_prefix_workload(
+    tokenizer: Any, groups: int, questions: int, system_len: int, question_len: int, seed: int
+) -> SharedPrefixWorkload:
+    """``groups`` x ``questions`` prompts of exactly ``system_len + question_len`` tokens."""
+    if min(groups, questions, system_len, question_len) < 1:
+        raise ValueError("groups, questions, system_len and question_len must be >= 1")
+    stream = TokenStream(tokenizer, seed)
+    systems = [stream.take(system_len) for _ in range(groups)]
+    prompts, group_of = [], []
+    for _ in range(questions):
+        for g in range(groups):
+            prompts.append(systems[g] + stream.take(question_len))
+            group_of.append(g)
+    return SharedPrefixWorkload(groups, questions, system_len, question_len, prompts, group_of)
+
+
+def short_prompts(tokenizer: Any, count: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """``count`` distinct prompts of exactly ``prompt_len`` tokens (a decode-heavy load)."""
+    stream = TokenStream(tokenizer, seed + 1_000_003)  # text apart from the main workload's
+    return [stream.take(prompt_len) for _ in range(count)]

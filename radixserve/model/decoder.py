@@ -1,0 +1,186 @@
+"""The one decoder shared by the Llama family; architectures only say what differs.
+
+Module names follow the Hugging Face checkpoints except for two fusions: ``self_attn.qkv_proj``
+(q/k/v) and ``mlp.gate_up_proj`` (gate/up), each one matmul.  :meth:`CausalLM.load_weights`
+maps checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.attention.base import AttentionLayerInfo
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding
+
+_ACTIVATIONS = {"silu": F.silu}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What one architecture changes in the shared decoder."""
+
+    qkv_bias: bool = False  # bias on q/k/v projections
+    o_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec, layer_id: int) -> None:
+        super().__init__()
+        h, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = h * d, kv * d
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": h * d, "k": kv * d, "v": kv * d}, bias=spec.qkv_bias
+        )
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
+        self.info = AttentionLayerInfo(layer_id, h, kv, d, d**-0.5)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        info = self.info
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, info.num_heads, info.head_dim)
+        k = k.view(-1, info.num_kv_heads, info.head_dim)
+        v = v.view(-1, info.num_kv_heads, info.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        return self.o_proj(fb.attn_backend.forward(q, k, v, info, fb))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+        super().__init__()
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+        self.act = _ACTIVATIONS[config.hidden_act]
+        inter = config.intermediate_size
+        self.inter = inter
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, {"gate": inter, "up": inter}, bias=spec.mlp_bias
+        )
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, spec, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, spec)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, i) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# checkpoint name pattern -> (our fused module path, shard)
+_FUSED = [
+    (re.compile(r"(.*\.self_attn)\.([qkv])_proj\.(weight|bias)$"), "qkv_proj"),
+    (re.compile(r"(.*\.mlp)\.(gate|up)_proj\.(weight|bias)$"), "gate_up_proj"),
+]
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head.  Subclasses set :attr:`spec` (and may derive it from the HF config)."""
+
+    spec = ArchSpec()
+
+    def __init__(self, config: ModelConfig, hf_config: Any = None) -> None:
+        super().__init__()
+        self.config = config
+        spec = self.arch_spec(hf_config)
+        self.model = DecoderModel(config, spec)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope)
+
+    @classmethod
+    def arch_spec(cls, hf_config: Any) -> ArchSpec:
+        return cls.spec
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Float32 logits ``[B, vocab]`` of each request's last new token."""
+        x = self.model.embed_tokens(fb.input_ids)
+        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, fb)
+        # Only the rows the sampler reads go through the final norm and the LM head.
+        x = self.model.norm(x.index_select(0, fb.logits_indices))
+        return F.linear(x, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; every parameter must be covered."""
+        params = dict(self.named_parameters())
+        expected: set[str] = set()
+        for name in params:
+            fused = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "shard_offsets", None)
+            if fused is None:
+                expected.add(name)
+            else:
+                prefix = name.rsplit(".", 1)[0]
+                expected.update(f"{prefix}:{shard}.{name.rsplit('.', 1)[1]}" for shard in fused)
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            for pattern, fused_name in _FUSED:
+                m = pattern.match(name)
+                if m:
+                    module_path, shard, kind = m.group(1), m.group(2), m.group(3)
+                    module = self.get_submodule(f"{module_path}.{fused_name}")
+                    module.load_shard(shard, kind, tensor)
+                    loaded.add(f"{module_path}.{fused_name}:{shard}.{kind}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+                p = params[name]
+                if p.shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(p.shape)}")
+                with torch.no_grad():
+                    p.copy_(tensor)
+                loaded.add(name)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")

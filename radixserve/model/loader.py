@@ -1,0 +1,84 @@
+"""Load a model from an HF folder, a GGUF file, or the embedded default."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.model import get_model_class
+from radixserve.model.config import ModelConfig
+from radixserve.model.decoder import CausalLM
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer_path: str  # folder usable by AutoTokenizer.from_pretrained
+    hf_config: Any  # the transformers config the model was built from
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """The HF folder to load: the default model, a converted GGUF, or ``model_path`` itself."""
+    from radixserve.model.default_model import default_model_path
+    from radixserve.model.gguf_convert import ensure_converted, gguf_cache_path
+
+    if model_path is None:
+        return default_model_path()
+    path = os.path.expanduser(model_path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ensure_converted(path, gguf_cache_path(path))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path} has no config.json; not a Hugging Face model folder")
+        return path
+    raise FileNotFoundError(
+        f"model path {model_path!r} is neither a model folder nor a .gguf file "
+        "(models are never downloaded; pass a local path)"
+    )
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def iter_safetensors(folder: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's (possibly sharded) safetensors, cast to ``dtype``."""
+    from safetensors import safe_open
+
+    for path in _safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def load_model(
+    model_path: str | None, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> LoadedModel:
+    """Build the model for ``model_path`` (None = default model) with weights in ``dtype``."""
+    from transformers import AutoConfig
+
+    folder = resolve_model_path(model_path)
+    hf_config = AutoConfig.from_pretrained(folder)
+    config = ModelConfig.from_hf(hf_config, dtype, folder)
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"):  # no random init: every parameter is overwritten below
+        model = cls(config, hf_config)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(iter_safetensors(folder, dtype))
+    model.eval()
+    return LoadedModel(model=model, config=config, tokenizer_path=folder, hf_config=hf_config)
