@@ -1,4 +1,4 @@
-"""Command line: ``radixserve generate``; ``serve``, ``chat`` and ``bench`` build on it."""
+"""Command line: ``radixserve generate``, ``radixserve serve``, ``radixserve chat``."""
 
 from __future__ import annotations
 
@@ -81,6 +81,21 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from radixserve.frontend.server import run_server
+
+    return run_server(ServerArgs.from_kwargs(**args_from_namespace(ns)))
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from radixserve.chat import chat_local, chat_remote
+
+    if ns.base_url:
+        return chat_remote(ns.base_url, ns.max_new_tokens, ns.temperature, ns.system, ns.api_key)
+    settings = args_from_namespace(ns)
+    return chat_local(settings, ns.max_new_tokens, ns.temperature, ns.system)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,10 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_server_args(gen)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_server_args(serve)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--base-url", default=None,
+                      help="chat with a running server (e.g. http://127.0.0.1:30000); default: a local engine")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    add_server_args(chat)
     ns = parser.parse_args(argv)
     try:
         if ns.command == "generate":
             return cmd_generate(ns)
+        if ns.command == "serve":
+            return cmd_serve(ns)
+        if ns.command == "chat":
+            return cmd_chat(ns)
     except ValueError as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2

@@ -106,7 +106,9 @@ class IncrementalDetokenizer:
 
 def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, ready_pipe: Any) -> None:
     """Process entry: PULL TokenOut from the scheduler, PUSH StrOut to the front end."""
-    from radixserve.logging_utils import configure_logging, parent_alive
+    from radixserve.logging_utils import configure_logging, ignore_interrupts, parent_alive
+
+    ignore_interrupts()
 
     configure_logging("detokenizer")
     try:

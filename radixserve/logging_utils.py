@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 
 def configure_logging(process: str, level: str | None = None) -> None:
@@ -18,3 +19,8 @@ def configure_logging(process: str, level: str | None = None) -> None:
 def parent_alive(parent_pid: int) -> bool:
     """True while the process that started us lives (we are re-parented when it dies)."""
     return os.getppid() == parent_pid
+
+
+def ignore_interrupts() -> None:
+    """Child processes leave Ctrl-C to the launcher, which stops them in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

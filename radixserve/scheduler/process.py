@@ -52,7 +52,9 @@ def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str) -> None:
 def run_scheduler_process(
     args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_pipe: Any
 ) -> None:
-    from radixserve.logging_utils import configure_logging, parent_alive
+    from radixserve.logging_utils import configure_logging, ignore_interrupts, parent_alive
+
+    ignore_interrupts()
 
     configure_logging("scheduler", args.log_level)
     try:

@@ -1,0 +1,84 @@
+"""Prometheus metrics (``/metrics``), all prefixed ``radixserve:``.
+
+Front-end counters and latency histograms are updated per request; scheduler-side numbers
+(retractions, evictions, running / queued requests, KV pages) are read from the scheduler's
+stats at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats
+        if not s:
+            return
+        for name, key, doc in (
+            ("radixserve:num_retractions", "retractions", "requests retracted when KV memory ran out"),
+            ("radixserve:evicted_tokens", "evicted_tokens", "tokens evicted from the radix tree"),
+            ("radixserve:prefill_tokens_computed", "prefill_tokens_computed", "prompt tokens computed (not served from the cache)"),
+        ):
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+        page = s.get("page_size", 1) or 1
+        gauges = (
+            ("radixserve:num_running_requests", s.get("running", 0), "requests decoding or prefilling"),
+            ("radixserve:num_queued_requests", s.get("waiting", 0), "requests waiting for admission"),
+            ("radixserve:kv_pages_free", s.get("free_pages", 0), "free KV pages"),
+            ("radixserve:kv_pages_cached", s.get("tree_tokens", 0) // page, "KV pages held by the radix tree"),
+            ("radixserve:kv_pages_used", s.get("total_pages", 0) - s.get("free_pages", 0), "KV pages in use (tree or requests)"),
+            ("radixserve:kv_pages_total", s.get("total_pages", 0), "KV pages in the pool"),
+            ("radixserve:cache_hit_rate", s.get("cache_hit_rate", 0.0), "cached / prompt tokens since start"),
+        )
+        for name, value, doc in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("radixserve:prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("radixserve:generation_tokens", "generated tokens", registry=r)
+        self.cached_tokens = Counter("radixserve:cached_tokens", "prompt tokens served from the radix cache", registry=r)
+        self.requests = Counter("radixserve:requests", "finished requests", ["finish_reason"], registry=r)
+        self.ttft = Histogram("radixserve:time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixserve:inter_token_latency_seconds", "time between streamed tokens", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("radixserve:e2e_request_latency_seconds", "request latency, arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("radixserve:queue_time_seconds", "arrival to first admission in the scheduler", buckets=_LATENCY_BUCKETS, registry=r)
+        self._scheduler = _SchedulerCollector()
+        r.register(self._scheduler)
+
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+
+    def on_tokens(self, gap: float, n: int) -> None:
+        """``n`` tokens arrived ``gap`` seconds after the previous ones."""
+        if n > 0:
+            for _ in range(n):
+                self.itl.observe(gap / n)
+
+    def on_finish(self, meta: dict[str, Any], e2e: float) -> None:
+        self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+        self.generation_tokens.inc(meta.get("completion_tokens", 0))
+        self.cached_tokens.inc(meta.get("cached_tokens", 0))
+        reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+        self.requests.labels(finish_reason=reason).inc()
+        self.e2e.observe(e2e)
+        if meta.get("queue_time") is not None:
+            self.queue_time.observe(meta["queue_time"])
+
+    def render(self, scheduler_stats: dict[str, Any]) -> bytes:
+        self._scheduler.stats = scheduler_stats
+        return generate_latest(self.registry)

@@ -1,0 +1,135 @@
+"""What the HTTP routes share: server state, request submission, disconnect-aware collection,
+per-request metrics and the one log line per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from radixserve.config import ServerArgs
+from radixserve.frontend.errors import APIError
+from radixserve.frontend.metrics import Metrics
+from radixserve.frontend.tokenizer_manager import TokenizerManager
+from radixserve.sampling import SamplingParams
+
+logger = logging.getLogger("radixserve.requests")
+DISCONNECT_POLL_S = 0.1
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its request was aborted."""
+
+
+@dataclass
+class ServerState:
+    args: ServerArgs
+    tm: TokenizerManager
+    info: dict[str, Any]
+    model_name: str
+    metrics: Metrics = field(default_factory=Metrics)
+    started_at: float = field(default_factory=time.time)
+    shutting_down: bool = False
+    pids: dict[str, int] = field(default_factory=dict)  # scheduler / detokenizer processes
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tm.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, "default"):
+            raise APIError(
+                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                400, param="model", code="model_not_found",
+            )
+
+    def prepare(self, prompt: str | None, input_ids: list[int] | None,
+                sampling: dict[str, Any] | None, check_total: bool = False) -> tuple[list[int], SamplingParams]:
+        """Tokenize and validate one prompt; with ``check_total`` the prompt plus the requested
+        max tokens must fit the context (the OpenAI routes' contract)."""
+        if self.shutting_down:
+            raise APIError("the server is shutting down", 503)
+        ids, params = self.tm.prepare(prompt, input_ids, sampling)
+        ctx = self.info["context_length"]
+        if check_total and sampling and sampling.get("max_new_tokens") and len(ids) + params.max_new_tokens > ctx:
+            raise APIError(
+                f"this model's context length is {ctx} tokens; the request asks for "
+                f"{len(ids)} prompt tokens + {params.max_new_tokens} completion tokens",
+                400, param="max_tokens",
+            )
+        return ids, params
+
+    async def stream(self, ids: list[int], params: SamplingParams, *, stream: bool,
+                     logprob: bool = False, top_n: int = 0, rid: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """The request's pieces, with metrics and the per-request log line."""
+        rid = rid or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        last = None
+        ttft = None
+        async for piece in self.tm.generate(ids, params, stream, logprob, top_n, rid=rid):
+            now = time.perf_counter()
+            n = len(piece["output_ids"])
+            if n and ttft is None:
+                ttft = now - t0
+                self.metrics.on_first_token(ttft)
+                if n > 1:
+                    self.metrics.on_tokens(now - t0 - ttft, n - 1)
+            elif n and last is not None:
+                self.metrics.on_tokens(now - last, n)
+            if n:
+                last = now
+            if piece["finished"]:
+                meta = piece["meta_info"]
+                total = now - t0
+                self.metrics.on_finish(meta, total)
+                logger.info(
+                    "request %s: prompt %d, cached %d, completion %d tokens, ttft %.3f s, total %.3f s, %s",
+                    rid, meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0),
+                    meta.get("completion_tokens", 0), ttft if ttft is not None else total, total,
+                    (meta.get("finish_reason") or {}).get("type"),
+                )
+            yield piece
+
+
+async def collect(pieces: AsyncIterator[dict[str, Any]], request: Request) -> list[dict[str, Any]]:
+    """All pieces of a non-streaming request; aborts it if the client disconnects first."""
+
+    async def gather() -> list[dict[str, Any]]:
+        return [p async for p in pieces]
+
+    task = asyncio.ensure_future(gather())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def first_and_rest(pieces: AsyncIterator[dict[str, Any]]) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+    """Wait for the first piece (so errors become an HTTP status before streaming starts)."""
+    it = pieces.__aiter__()
+    first = await it.__anext__()
+    return first, it
+
+
+def merge_pieces(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {
+        "text": "".join(p["text"] for p in pieces),
+        "output_ids": [t for p in pieces for t in p["output_ids"]],
+        "meta_info": dict(pieces[-1]["meta_info"]),
+        "logprobs": [lp for p in pieces for lp in (p.get("logprobs") or [])],
+        "top_logprobs": [t for p in pieces for t in (p.get("top_logprobs") or [])],
+    }
+    return out

@@ -1,0 +1,239 @@
+"""End to end over HTTP: a real `radixserve serve` process and the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from helpers.server import ServerProcess, build_chat_tiny_model
+
+SYSTEM = "You are a travel agent. Be concise, friendly and precise in every answer. " * 4
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(default_model_path, tmp_path_factory) -> str:
+    return build_chat_tiny_model(default_model_path, str(tmp_path_factory.mktemp("tinychat")))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model):
+    srv = ServerProcess("--model", tiny_chat_model, "--served-model-name", "tiny",
+                        "--max-total-tokens", "20000", "--context-length", "1024",
+                        "--max-queued-requests", "200").wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def server_info(server) -> dict:
+    return httpx.get(server.base_url + "/server_info", timeout=30).json()
+
+
+def wait_idle(server, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server_info(server)
+        if info["stats"]["running"] == 0 and info["stats"]["waiting"] == 0:
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle: {info['stats']}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(autouse=True)
+def memory_invariant(request):
+    yield
+    if "server" in request.fixturenames:
+        info = wait_idle(request.getfixturevalue("server"))
+        assert info["memory"]["ok"], info["memory"]
+        assert info["memory"]["locked_tokens"] == 0 and info["memory"]["request_pages"] == 0
+
+
+def test_models_and_health(server, client) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200
+
+
+def test_chat_completion_and_cached_tokens(client) -> None:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is Rome?"}]
+    first = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    assert first.object == "chat.completion"
+    assert first.choices[0].message.role == "assistant"
+    assert first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens > 40
+    assert first.usage.completion_tokens >= 1
+    assert first.usage.prompt_tokens_details.cached_tokens >= 0
+    msgs[1]["content"] = "And where is Oslo?"
+    second = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 40
+
+
+def test_chat_stream_is_well_formed(client) -> None:
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    full = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12, temperature=0,
+    )
+    assert text == full.choices[0].message.content
+
+
+def test_n_choices_seeds_and_stop(client) -> None:
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Count to ten."}], max_tokens=10)
+    a = client.chat.completions.create(n=2, seed=7, temperature=1.0, **kwargs)
+    b = client.chat.completions.create(n=2, seed=7, temperature=1.0, **kwargs)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.usage.completion_tokens == sum(1 for _ in a.choices) * 10 or a.usage.completion_tokens <= 20
+    greedy = client.chat.completions.create(temperature=0, **kwargs).choices[0].message.content
+    assert len(greedy) > 4
+    stop = greedy[2:5]
+    stopped = client.chat.completions.create(temperature=0, stop=[stop], **kwargs)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop not in stopped.choices[0].message.content
+    assert greedy.startswith(stopped.choices[0].message.content)
+
+
+def test_completions_routes(client) -> None:
+    out = client.completions.create(model="tiny", prompt=["Hello there", "The sea"], max_tokens=5, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == 10
+    echo = client.completions.create(model="tiny", prompt="Hello there", max_tokens=3, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Hello there")
+    ids = client.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 4
+    lp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
+    assert len(lp.choices[0].logprobs.tokens) == 3 and len(lp.choices[0].logprobs.top_logprobs[0]) >= 1
+    streamed = client.completions.create(model="tiny", prompt="The sea", max_tokens=5, temperature=0, stream=True)
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert text == out.choices[1].text
+
+
+def test_chat_logprobs_and_logit_bias(client) -> None:
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    biased = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+        logit_bias={"1000": 100}, logprobs=True,
+    )
+    tokens = [c.token for c in biased.choices[0].logprobs.content]
+    assert len(set(tokens)) == 1
+
+
+def test_logit_bias_forces_token(server) -> None:
+    r = httpx.post(server.base_url + "/generate", json={
+        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                                    "logit_bias": {"1000": 100}}}, timeout=30)
+    assert r.json()["output_ids"] == [1000, 1000, 1000]
+
+
+def test_native_generate(server) -> None:
+    r = httpx.post(server.base_url + "/generate", json={
+        "text": "Once upon a time", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and len(body["output_ids"]) == 6
+    assert body["meta_info"]["completion_tokens"] == 6 and body["meta_info"]["finish_reason"]["type"] == "length"
+    batch = httpx.post(server.base_url + "/generate", json={
+        "input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 2}}, timeout=30).json()
+    assert len(batch) == 2
+    with httpx.stream("POST", server.base_url + "/generate", json={
+            "text": "Once upon a time", "stream": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0}}, timeout=30) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][6:])
+    assert last["output_ids"] == body["output_ids"] and last["text"] == body["text"]
+
+
+def test_flush_cache(server, client) -> None:
+    client.completions.create(model="tiny", prompt="warm the cache " * 10, max_tokens=2)
+    assert server_info(server)["stats"]["tree_tokens"] > 0
+    assert httpx.post(server.base_url + "/flush_cache").status_code == 200
+    assert server_info(server)["stats"]["tree_tokens"] == 0
+
+
+def test_64_concurrent_streams(server) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, list[str | None]]:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}"}],
+            max_tokens=16, temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+        )
+        text, usage, finishes = "", 0, []
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finishes.append(c.choices[0].finish_reason)
+            if c.usage:
+                usage = c.usage.completion_tokens
+        return text, usage, finishes
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        return await asyncio.gather(*[one(client, i) for i in range(64)])
+
+    results = asyncio.run(main())
+    for _text, usage, finishes in results:
+        assert 1 <= usage <= 16
+        assert sum(f is not None for f in finishes) == 1 and finishes[-1] is not None
+    info = wait_idle(server)
+    assert info["memory"]["ok"]
+
+
+def test_client_disconnect_frees_pages(server, client) -> None:
+    with httpx.stream("POST", server.base_url + "/v1/completions", json={
+            "model": "tiny", "prompt": "A very long story begins", "max_tokens": 800,
+            "stream": True, "ignore_eos": True}, timeout=30) as s:
+        lines = s.iter_lines()
+        for _ in range(3):
+            next(lines)
+        busy = server_info(server)
+        assert busy["stats"]["running"] == 1
+    info = wait_idle(server, timeout=10)
+    assert info["memory"]["request_pages"] == 0
+    assert info["stats"]["requests_aborted"] >= 1
+    ok = client.completions.create(model="tiny", prompt="Still there?", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_metrics_parse_and_move(server, client) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.base_url + "/metrics").text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+                out[key] = s.value
+        return out
+
+    before = scrape()
+    client.completions.create(model="tiny", prompt="metrics please", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    after = scrape()
+    assert all(k.startswith("radixserve:") for k in after)
+    assert after["radixserve:generation_tokens_total"] - before.get("radixserve:generation_tokens_total", 0) == 4
+    assert after["radixserve:prompt_tokens_total"] > before.get("radixserve:prompt_tokens_total", 0)
+    assert after["radixserve:requests_total{finish_reason=length}"] >= 1
+    assert after["radixserve:time_to_first_token_seconds_count"] > before.get("radixserve:time_to_first_token_seconds_count", 0)
+    assert after["radixserve:kv_pages_total"] > 0
+    assert "radixserve:num_running_requests" in after and "radixserve:cached_tokens_total" in after
