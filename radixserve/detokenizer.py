@@ -127,9 +127,9 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
     ready_pipe.send(("ready", {"pid": os.getpid()}))
     parent = os.getppid()
     while True:
+        if not parent_alive(parent):
+            return
         if not recv.poll(1000):
-            if not parent_alive(parent):
-                return
             continue
         data = recv.recv()
         msg = m.decode(data)

@@ -135,3 +135,68 @@ def test_many_decode_chunks(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     out, ref = _run_case([5, 0, 33, 70, 2], [1, 9, 1, 1, 1], 8, 2, torch.float32, seed=12)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _run_explicit(slot_rows: list[list[int]], extend_lens: list[int], num_heads: int, num_kv: int,
+                  dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    """Like _run_case, but every request's slots are given (so prefixes can be shared)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = max(max(r) for r in slot_rows) + 1
+    pool = KVPool(num_slots, NUM_LAYERS, num_kv, HEAD_DIM, dtype)
+    for layer in range(NUM_LAYERS):
+        for buf in pool.get_kv(layer):
+            buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+    req_to_token = torch.zeros((len(slot_rows) + 2, max(map(len, slot_rows)) + 3), dtype=torch.int32)
+    req_to_token.random_(0, num_slots, generator=gen)
+    for i, slots in enumerate(slot_rows):
+        req_to_token[i + 1, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    prefix_lens = [len(r) - e for r, e in zip(slot_rows, extend_lens, strict=True)]
+    new_slots = [s for r, e in zip(slot_rows, extend_lens, strict=True) for s in r[len(r) - e:]]
+    total = sum(extend_lens)
+    q = torch.randn((total, num_heads, HEAD_DIM), generator=gen).to(dtype)
+    k = torch.randn((total, num_kv, HEAD_DIM), generator=gen).to(dtype)
+    v = torch.randn((total, num_kv, HEAD_DIM), generator=gen).to(dtype)
+    backend = create_backend("torch")
+    fb = ForwardBatch.build(
+        input_ids=[0] * total, prefix_lens=prefix_lens, extend_lens=extend_lens,
+        req_pool_indices=list(range(1, len(slot_rows) + 1)), out_cache_loc=torch.tensor(new_slots),
+        req_to_token=req_to_token, kv_pool=pool, attn_backend=backend,
+    )
+    scale = 1 / math.sqrt(HEAD_DIM)
+    out = backend.forward(q, k, v, AttentionLayerInfo(0, num_heads, num_kv, HEAD_DIM, scale), fb)
+    k_pool, v_pool = pool.get_kv(0)
+    ref = _reference(q, k_pool, v_pool, [torch.tensor(r) for r in slot_rows], prefix_lens,
+                     extend_lens, num_heads, num_kv, scale)
+    return out, ref, fb
+
+
+@pytest.mark.parametrize("heads, kv", [(4, 4), (3, 1), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_sharing_a_cached_prefix(heads: int, kv: int, dtype: torch.dtype) -> None:
+    """Rows whose tables share prefix slots (radix-tree hits) use the shared-prefix path."""
+    gen = torch.Generator().manual_seed(heads)
+    fresh = iter((torch.randperm(5000, generator=gen) + 1).tolist())
+    trunk_a = [next(fresh) for _ in range(120)]
+    trunk_b = [next(fresh) for _ in range(70)]
+    short = [next(fresh) for _ in range(10)]  # shared, but below the sharing threshold
+    rows, extend = [], []
+    for n in (1, 5, 17, 30, 2):  # group A: 5 rows, own suffixes of various lengths
+        rows.append(trunk_a + [next(fresh) for _ in range(n)])
+        extend.append(1)
+    for n in (3, 9, 1):  # group B: the trunk is longer than one row's shared part
+        rows.append(trunk_b + [next(fresh) for _ in range(n)])
+        extend.append(1)
+    rows.append(trunk_a[:90] + [next(fresh) for _ in range(4)])  # shares only 90 with A
+    extend.append(1)
+    for n in (40, 8):
+        rows.append(short + [next(fresh) for _ in range(n)])
+        extend.append(1)
+    rows.append([next(fresh) for _ in range(33)])  # a plain decode row
+    extend.append(1)
+    rows.append(trunk_a + [next(fresh) for _ in range(6)])  # an extend row in the same batch
+    extend.append(6)
+    out, ref, fb = _run_explicit(rows, extend, heads, kv, dtype, seed=heads)
+    shared = fb.attn_metadata.decode.shared
+    assert shared is not None and len(shared.groups) == 2
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)

@@ -145,3 +145,21 @@ def test_killed_scheduler_stops_server_nonzero(tiny_chat_model) -> None:
     assert "process exited with code" in log
     time.sleep(0.5)
     assert not [c for c in children if c.is_running() and c.status() != "zombie"]
+
+
+def test_killed_launcher_leaves_no_busy_orphans(tiny_chat_model) -> None:
+    srv = ServerProcess("--model", tiny_chat_model, "--context-length", "1024", "--max-total-tokens", "4000").wait_ready()
+    children = srv.children()
+    import threading
+
+    # Keep the scheduler busy, then kill the launcher outright (no cleanup code runs).
+    body = {"model": srv_model(srv), "prompt": "busy", "max_tokens": 900, "ignore_eos": True}
+    threading.Thread(target=lambda: httpx.post(srv.base_url + COMP, json=body, timeout=60), daemon=True).start()
+    time.sleep(1.0)
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [c for c in children if c.is_running() and c.status() != "zombie"]:
+        time.sleep(0.2)
+    srv.stop()
+    assert not [c.pid for c in children if c.is_running() and c.status() != "zombie"]

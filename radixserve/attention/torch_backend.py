@@ -6,6 +6,8 @@ Each forward splits the batch into two groups so that a long prefill never pads 
   heads that share a KV head are folded into the query-length axis, so SDPA sees plain
   multi-head attention ``[n, KV, G, D] x [n, KV, L, D]`` with a key-padding mask and the
   KV is never expanded.
+  Decode rows whose table rows start with the same slots (a prefix shared through the radix
+  tree) go through ``shared_prefix.py`` instead: the shared K/V is read once per group.
 - extend rows (``extend_len > 1``): queries padded to ``[Be, Emax]``, keys to ``[Be, Lmax]``,
   and a boolean mask that is causal over the new tokens and open over the cached prefix.
 
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend, AttentionLayerInfo
+from radixserve.attention.shared_prefix import SharedPrefixDecode, find_shared_prefixes
 
 if TYPE_CHECKING:
     from radixserve.model.forward_batch import ForwardBatch
@@ -47,7 +50,8 @@ class _DecodeChunk:
 @dataclass
 class _DecodeGroup:
     token_idx: torch.Tensor  # [Bd] index into the T new tokens
-    chunks: list[_DecodeChunk]
+    chunks: list[_DecodeChunk]  # rows without a shared prefix
+    shared: SharedPrefixDecode | None = None  # rows that share a cached prefix
 
 
 @dataclass
@@ -114,7 +118,8 @@ class TorchAttentionBackend(AttentionBackend):
         budget = max(1, DECODE_CHUNK_BYTES // bytes_per_key)  # padded keys per chunk
         # Longest contexts first, so each chunk pads its rows to similar lengths; a chunk takes
         # rows while (rows * its longest seq_len) fits the budget (always at least one row).
-        order = sorted(range(len(rows)), key=lambda i: -seq_lens[rows[i]])
+        shared, plain = find_shared_prefixes(fb, rows, seq_lens, device)
+        order = sorted(plain, key=lambda i: -seq_lens[rows[i]])
         rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
         chunks = []
         i = 0
@@ -135,7 +140,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = None if min(chunk_lens) == n_len else live[:, None, None, :]
             chunks.append(_DecodeChunk(rows_in_group, slots, mask, n_len))
         token_idx = torch.tensor([starts[b] for b in rows], dtype=torch.int64, device=device)
-        return _DecodeGroup(token_idx=token_idx, chunks=chunks)
+        return _DecodeGroup(token_idx=token_idx, chunks=chunks, shared=shared)
 
     def _prepare_extend(
         self,
@@ -229,6 +234,11 @@ class TorchAttentionBackend(AttentionBackend):
         qd = q.index_select(0, group.token_idx).view(bd, kv_heads, heads_per_kv, dim)
         qd = qd.to(k_pool.dtype)
         out = q.new_empty((bd, kv_heads, heads_per_kv, dim), dtype=k_pool.dtype)
+        if group.shared is not None:
+            o = group.shared.forward(qd, k_pool, v_pool, layer)
+            out.index_copy_(0, group.shared.rows, o.to(out.dtype))
+        if not group.chunks:
+            return out.view(bd, kv_heads * heads_per_kv * dim).to(q.dtype)
         biggest = max(c.slots.shape[0] for c in group.chunks)
         buf = self._buffers(biggest * kv_heads * dim, k_pool.dtype, k_pool.device)
         for c in group.chunks:

@@ -87,10 +87,10 @@ def run_scheduler_process(
     parent = os.getppid()
     last_log = time.monotonic()
     while True:
+        if not parent_alive(parent):  # checked busy or idle: never outlive the launcher
+            logger.info("launcher is gone; scheduler exits")
+            return
         if not sched.has_work and not recv.poll(1000):
-            if not parent_alive(parent):
-                logger.info("launcher is gone; scheduler exits")
-                return
             continue
         while True:
             try:
