@@ -66,10 +66,30 @@ class _ExtendGroup:
     max_len: int  # Lmax
 
 
+def bucket_extend_rows(rows: list[int], extend_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split extend rows into groups padded together, so that no group computes more than
+    1.25 times the attention area (queries x keys) its rows need: a 1024-token prompt and fifteen
+    48-token questions in one step must not pad every question to 1024 queries."""
+    order = sorted(rows, key=lambda b: (-extend_lens[b], -seq_lens[b]))
+    buckets: list[list[int]] = []
+    need = emax = lmax = 0
+    for b in order:
+        e, sl = extend_lens[b], seq_lens[b]
+        if buckets:
+            new_need, new_l = need + e * sl, max(lmax, sl)
+            if 4 * (len(buckets[-1]) + 1) * emax * new_l <= 5 * new_need:
+                buckets[-1].append(b)
+                need, lmax = new_need, new_l
+                continue
+        buckets.append([b])
+        need, emax, lmax = e * sl, e, sl
+    return buckets
+
+
 @dataclass
 class TorchAttentionMetadata:
     decode: _DecodeGroup | None
-    extend: _ExtendGroup | None
+    extend: list[_ExtendGroup]
     # True when every token belongs to one group in order, so outputs need no scatter.
     single_group: bool
 
@@ -98,11 +118,14 @@ class TorchAttentionBackend(AttentionBackend):
         decode = None
         if dec_rows:
             decode = self._prepare_decode(fb, dec_rows, starts, seq_lens, device)
-        extend = None
-        if ext_rows:
-            extend = self._prepare_extend(fb, ext_rows, starts, seq_lens, device)
+        extend = [
+            self._prepare_extend(fb, bucket, starts, seq_lens, device)
+            for bucket in bucket_extend_rows(ext_rows, extend_lens, seq_lens)
+        ]
         fb.attn_metadata = TorchAttentionMetadata(
-            decode=decode, extend=extend, single_group=not (dec_rows and ext_rows)
+            decode=decode,
+            extend=extend,
+            single_group=(decode is None and len(extend) == 1) or (decode is not None and not extend),
         )
 
     def _prepare_decode(
@@ -207,16 +230,15 @@ class TorchAttentionBackend(AttentionBackend):
         k_pool, v_pool = fb.kv_pool.get_kv(layer.layer_id)
         num_tokens = q.shape[0]
         width = layer.num_heads * layer.head_dim
-        out_dec = out_ext = None
-        if meta.decode is not None:
-            out_dec = self._decode(q, k_pool, v_pool, layer, meta.decode)
-        if meta.extend is not None:
-            out_ext = self._extend(q, k, v, k_pool, v_pool, layer, meta.extend)
         if meta.single_group:
-            return out_dec if out_dec is not None else out_ext
+            if meta.decode is not None:
+                return self._decode(q, k_pool, v_pool, layer, meta.decode)
+            return self._extend(q, k, v, k_pool, v_pool, layer, meta.extend[0])
         out = q.new_empty((num_tokens, width))
-        out[meta.decode.token_idx] = out_dec
-        out[meta.extend.token_idx] = out_ext
+        if meta.decode is not None:
+            out[meta.decode.token_idx] = self._decode(q, k_pool, v_pool, layer, meta.decode)
+        for group in meta.extend:
+            out[group.token_idx] = self._extend(q, k, v, k_pool, v_pool, layer, group)
         return out
 
     def _decode(

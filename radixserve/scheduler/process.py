@@ -86,6 +86,7 @@ def run_scheduler_process(
     )
     parent = os.getppid()
     last_log = time.monotonic()
+    last_gen = 0
     while True:
         if not parent_alive(parent):  # checked busy or idle: never outlive the launcher
             logger.info("launcher is gone; scheduler exits")
@@ -112,10 +113,17 @@ def run_scheduler_process(
         if out is not None:
             send.send(m.encode(out))
         if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
+            last_gen = _log_stats(sched, time.monotonic() - last_log, last_gen)
             last_log = time.monotonic()
-            s = sched.get_stats()
-            logger.info(
-                "running %d, waiting %d, free pages %d/%d, hit rate %.1f%%",
-                s["running"], s["waiting"], s["free_pages"], s["total_pages"],
-                100 * s["cache_hit_rate"],
-            )
+
+
+def _log_stats(sched: Any, interval: float, last_gen: int) -> int:
+    s = sched.get_stats()
+    used = s["total_pages"] - s["free_pages"]
+    logger.info(
+        "running %d, queued %d, KV pages used %d/%d (tree %d tokens), hit rate %.1f%%, "
+        "%.1f gen tokens/s",
+        s["running"], s["waiting"], used, s["total_pages"], s["tree_tokens"],
+        100 * s["cache_hit_rate"], (s["generation_tokens"] - last_gen) / max(interval, 1e-6),
+    )
+    return s["generation_tokens"]
