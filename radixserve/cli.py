@@ -97,6 +97,11 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmarks parse their own flags
+        from radixserve.bench_cli import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print a completion for one prompt")
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--max-new-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
     add_server_args(chat)
+    sub.add_parser("bench", help="benchmarks: radixserve bench {serving,compare} --help")
     ns = parser.parse_args(argv)
     try:
         if ns.command == "generate":

@@ -97,6 +97,8 @@ def _run_case(
 CASES = {
     "prefill_one": ([0], [23]),
     "prefill_many": ([0, 0, 0], [5, 17, 2]),
+    "prefill_similar_lengths": ([0, 0, 0], [20, 23, 22]),  # one padded group, out of length order
+    "extend_similar_lengths": ([3, 9, 1], [20, 23, 22]),
     "extend_prefix_1": ([1], [9]),
     "extend_long_prefix": ([150, 3], [7, 30]),
     "decode_one": ([41], [1]),

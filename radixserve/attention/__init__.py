@@ -8,6 +8,7 @@ from radixserve.attention.base import AttentionBackend, AttentionLayerInfo
 
 _REGISTRY: dict[str, str] = {
     "torch": "radixserve.attention.torch_backend:TorchAttentionBackend",
+    "triton": "radixserve.attention.triton_backend:TritonAttentionBackend",
 }
 
 

@@ -83,7 +83,8 @@ def bucket_extend_rows(rows: list[int], extend_lens: list[int], seq_lens: list[i
                 continue
         buckets.append([b])
         need, emax, lmax = e * sl, e, sl
-    return buckets
+    # Batch order inside each bucket: a single bucket's output is then already in token order.
+    return [sorted(bucket) for bucket in buckets]
 
 
 @dataclass

@@ -68,7 +68,7 @@ class ForwardBatch:
     def build(
         cls,
         *,
-        input_ids: list[int],
+        input_ids: list[int] | np.ndarray,
         prefix_lens: list[int],
         extend_lens: list[int],
         req_pool_indices: list[int],
@@ -89,7 +89,7 @@ class ForwardBatch:
         prefix_t = torch.from_numpy(prefix_np)
         extend_t = torch.from_numpy(extend_np)
         fb = cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            input_ids=torch.as_tensor(np.asarray(input_ids, dtype=np.int64)).to(device),
             positions=torch.from_numpy(positions).to(device),
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
             req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=device),

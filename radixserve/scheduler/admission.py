@@ -77,7 +77,7 @@ class PrefillAdder:
         if not self.kv.tree.disable:
             if self._in_batch is None:
                 self._in_batch = RadixCache(page_size=1, free_slots=lambda _: None)
-            ids = req.fill_ids
+            ids = req.tokens(0)
             self._in_batch.insert(ids, np.zeros(len(ids), dtype=np.int64))
 
     def _chunk_len(self, req: Req) -> int | None:
@@ -107,7 +107,7 @@ class PrefillAdder:
         if self._in_batch is None:
             return False
         cached = len(self.kv.match(req)[0])
-        common = len(self._in_batch.match_prefix(req.fill_ids[: req.fill_len - 1]).slots)
+        common = len(self._in_batch.match_prefix(req.tokens(0, req.fill_len - 1)).slots)
         return common - cached >= IN_BATCH_SHARE_THRESHOLD
 
     def add_waiting(self, req: Req) -> str:

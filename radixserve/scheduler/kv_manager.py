@@ -45,7 +45,7 @@ class KVManager:
     # ---- admission ---------------------------------------------------------------------
     def match(self, req: Req) -> tuple[np.ndarray, object]:
         """Longest cached prefix of the request, leaving at least one token to compute."""
-        result = self.tree.match_prefix(req.fill_ids[: req.fill_len - 1])
+        result = self.tree.match_prefix(req.tokens(0, req.fill_len - 1))
         return result.slots, result.node
 
     def admit(self, req: Req) -> bool:
@@ -97,7 +97,7 @@ class KVManager:
         if self.tree.disable or aligned <= req.tree_len:
             return req.tree_len
         row_slots = self.req_pool.table[req.row, : req.kv_len].numpy().astype(np.int64)
-        present = self.tree.insert(req.fill_ids[: req.kv_len], row_slots)
+        present = self.tree.insert(req.tokens(0, req.kv_len), row_slots)
         if present > req.tree_len:
             self.allocator.free_slots(row_slots[req.tree_len : present])
         return aligned
@@ -107,7 +107,7 @@ class KVManager:
         aligned = self._insert(req)
         if aligned == req.tree_len:
             return
-        result = self.tree.match_prefix(req.fill_ids[:aligned])
+        result = self.tree.match_prefix(req.tokens(0, aligned))
         if len(result.slots) != aligned:
             raise RuntimeError(f"tree lost a just-inserted prefix of {req!r}")
         # Row [0, aligned): the tree's slots (ours in [tree_len, present) were just freed).

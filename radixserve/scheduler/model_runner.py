@@ -35,10 +35,7 @@ class ModelRunner:
         rows = [r.row for r, _ in entries]
         prefix_lens = [r.kv_len for r, _ in entries]
         extend_lens = [n for _, n in entries]
-        if all(n == 1 for n in extend_lens):
-            input_ids = [r.fill_ids[r.kv_len] for r, _ in entries]
-        else:
-            input_ids = [t for r, n in entries for t in r.fill_ids[r.kv_len : r.kv_len + n]]
+        input_ids = np.concatenate([r.tokens(r.kv_len, r.kv_len + n) for r, n in entries])
         # Output slots: row[kv_len + i] for i < n, gathered in one indexing op.
         row_idx = np.repeat(np.asarray(rows, dtype=np.int64), extend_lens)
         starts = np.cumsum(extend_lens) - np.asarray(extend_lens)

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from radixserve.cache.radix_tree import TreeNode
     from radixserve.sampling import SamplingParams
@@ -61,6 +63,10 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.stream = stream
         self.output_ids: list[int] = []
+        # prompt + output ids in one growable int64 buffer: tree keys and model inputs are
+        # views of it (no list concatenation per step); see ``tokens`` / ``append_output``.
+        self._tokens = np.empty(max(16, 2 * len(prompt_ids)), dtype=np.int64)
+        self._tokens[: len(prompt_ids)] = prompt_ids
         self.state = ReqState.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.perf_counter()
@@ -96,6 +102,19 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    def tokens(self, start: int, end: int | None = None) -> np.ndarray:
+        """``fill_ids[start:end]`` as an int64 view (do not keep it across appends)."""
+        return self._tokens[start : self.fill_len if end is None else end]
+
+    def append_output(self, token: int) -> None:
+        n = self.fill_len
+        if n == len(self._tokens):
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:n] = self._tokens
+            self._tokens = grown
+        self._tokens[n] = token
+        self.output_ids.append(token)
 
     @property
     def remaining_extend(self) -> int:

@@ -244,7 +244,7 @@ class Scheduler:
 
         if out is not None:
             for j, req in enumerate(sample_reqs):
-                req.output_ids.append(out.next_token_ids[j])
+                req.append_output(out.next_token_ids[j])
                 self.stats.generation_tokens += 1
                 if req.return_logprob and out.logprobs is not None:
                     req.pending_logprobs.append(out.logprobs[j])
