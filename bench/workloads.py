@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import random
 import warnings
 from collections.abc import Iterator
@@ -148,3 +149,130 @@ def short_prompts(tokenizer: Any, count: int, prompt_len: int, seed: int) -> lis
     """``count`` distinct prompts of exactly ``prompt_len`` tokens (a decode-heavy load)."""
     stream = TokenStream(tokenizer, seed + 1_000_003)  # text apart from the main workload's
     return [stream.take(prompt_len) for _ in range(count)]
+
+
+# ---- serving workloads (bench/serving.py) ----------------------------------------------------
+@dataclass(frozen=True)
+class MultiTurnWorkload:
+    """``conversations`` chats of ``turns`` user turns each; every chat opens with its own
+    system prompt. Turn ``t``'s prompt is the whole history: system, then for each earlier turn
+    its question and the answer the server gave, then question ``t`` (answers are only known
+    at run time, so the client appends them)."""
+
+    conversations: int
+    turns: int
+    system_len: int
+    question_len: int
+    systems: list[list[int]]
+    questions: list[list[list[int]]]  # questions[c][t]
+
+
+def multi_turn_workload(
+    tokenizer: Any, conversations: int, turns: int, system_len: int, question_len: int, seed: int
+) -> MultiTurnWorkload:
+    """Distinct text for every system prompt and question (reuse comes from the history only)."""
+    if min(conversations, turns, system_len, question_len) < 1:
+        raise ValueError("conversations, turns, system_len and question_len must be >= 1")
+    stream = TokenStream(tokenizer, seed + 2_000_003)
+    systems = [stream.take(system_len) for _ in range(conversations)]
+    questions = [[stream.take(question_len) for _ in range(turns)] for _ in range(conversations)]
+    return MultiTurnWorkload(conversations, turns, system_len, question_len, systems, questions)
+
+
+def unique_prompts(tokenizer: Any, count: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of exactly ``prompt_len`` tokens with no text in common (no reuse)."""
+    if min(count, prompt_len) < 1:
+        raise ValueError("count and prompt_len must be >= 1")
+    stream = TokenStream(tokenizer, seed + 3_000_017)
+    return [stream.take(prompt_len) for _ in range(count)]
+
+
+class BlockTexts:
+    """Token blocks named by ids: equal ids give equal blocks, distinct ids distinct text.
+
+    Blocks are consecutive windows of the corpus stream, handed out in order of first use;
+    when the corpus runs out a reshuffled pass continues (text may then repeat, but not at the
+    same position of a prompt, so prefixes stay distinct).
+    """
+
+    def __init__(self, tokenizer: Any, block_len: int, seed: int) -> None:
+        self.tokenizer, self.block_len, self.seed = tokenizer, block_len, seed
+        self.passes = 0
+        self.stream = TokenStream(tokenizer, seed + 4_000_037)
+        self.blocks: dict[Any, list[int]] = {}
+
+    def block(self, key: Any) -> list[int]:
+        if key not in self.blocks:
+            try:
+                self.blocks[key] = self.stream.take(self.block_len)
+            except ValueError:  # the corpus ran out: start another shuffled pass
+                self.passes += 1
+                self.stream = TokenStream(self.tokenizer, self.seed + 4_000_037 + self.passes)
+                self.blocks[key] = self.stream.take(self.block_len)
+        return self.blocks[key]
+
+    def prompt(self, keys: list[Any], length: int, salt: Any) -> list[int]:
+        """Blocks ``keys`` joined, then cut to ``length`` tokens or extended by text of its own
+        (``salt`` names the prompt, so two prompts never share their filler)."""
+        ids = [t for k in keys for t in self.block(k)][:length]
+        filler = 0
+        while len(ids) < length:
+            ids += self.block(("filler", salt, filler))[: length - len(ids)]
+            filler += 1
+        return ids
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    at: float  # seconds after the first request of the trace
+    prompt: list[int]
+    output_len: int
+
+
+def _first(record: dict[str, Any], names: tuple[str, ...], line: int) -> Any:
+    for name in names:
+        if name in record:
+            return record[name]
+    raise ValueError(f"trace line {line}: needs one of {', '.join(names)}")
+
+
+def load_trace(
+    path: str, tokenizer: Any, seed: int, block_len: int = 512, time_unit: float = 1.0
+) -> list[TraceRequest]:
+    """Requests of a JSONL trace, sorted by time; one JSON object a line.
+
+    Fields: ``timestamp`` (send time, in units of ``time_unit`` seconds; relative to the
+    first line); the prompt as ``prompt`` (text), ``input_ids`` (token ids) or
+    ``input_length`` (tokens of corpus text; with ``hash_ids`` the prompt is those blocks of
+    ``block_len`` tokens, so lines that share leading hash ids share a prefix: the Mooncake
+    trace format); ``output_length`` (or ``output_len`` / ``max_tokens``).
+    """
+    blocks = BlockTexts(tokenizer, block_len, seed)
+    out: list[tuple[float, int, list[int], int]] = []
+    with open(path) as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"trace line {n}: not JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"trace line {n}: expected a JSON object")
+            at = float(_first(rec, ("timestamp",), n)) * time_unit
+            if "prompt" in rec:
+                ids = tokenizer.encode(str(rec["prompt"]), add_special_tokens=False)
+            elif "input_ids" in rec:
+                ids = [int(t) for t in rec["input_ids"]]
+            else:
+                length = int(_first(rec, ("input_length", "input_len"), n))
+                ids = blocks.prompt(list(rec.get("hash_ids") or []), length, salt=n)
+            output_len = int(_first(rec, ("output_length", "output_len", "max_tokens"), n))
+            if not ids or output_len < 1:
+                raise ValueError(f"trace line {n}: empty prompt or output length < 1")
+            out.append((at, n, ids, output_len))
+    if not out:
+        raise ValueError(f"trace {path} has no requests")
+    out.sort(key=lambda r: (r[0], r[1]))
+    t0 = out[0][0]
+    return [TraceRequest(at - t0, ids, output_len) for at, _, ids, output_len in out]

@@ -7,6 +7,11 @@ import sys
 from collections.abc import Callable
 
 import pytest
+import torch
+
+# Without a CUDA device Triton kernels run in its interpreter; set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import helpers...` from any test module
 

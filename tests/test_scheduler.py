@@ -189,3 +189,27 @@ def test_eviction_is_lru_and_counted(tiny_model_dir) -> None:
     stats = sched.get_stats()
     assert stats["evicted_tokens"] > 0
     assert sched.tree.total_size() <= 128
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_default_model_matches_hf_through_every_path(default_model_path, page_size: int) -> None:
+    """Default model, float32: chunked prefill, mixed batches, a cache hit and retraction."""
+    from radixserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path)
+    texts = [
+        "The history of the printing press begins in the fifteenth century, when",
+        "Here is a short list of fruits: apples, pears, plums,",
+        "The history of the printing press begins in the fifteenth century, and its effect on",
+        "In mathematics, a prime number is a natural number greater than one that",
+    ]
+    reqs = [tok.encode(t, add_special_tokens=False) for t in texts]
+    sched = make_scheduler(
+        default_model_path, tokenizer=tok, page_size=page_size, chunked_prefill_size=16,
+        max_prefill_tokens=24, max_total_tokens=192,
+    )
+    results = check_against_hf(default_model_path, sched, reqs, max_new=60)
+    stats = sched.get_stats()
+    assert stats["retractions"] > 0 and stats["mixed_steps"] > 0
+    assert stats["cached_tokens"] > 0 or stats["retractions"] > 0
+    assert len(results) == 4
