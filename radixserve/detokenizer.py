@@ -116,6 +116,10 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
 
         detok = IncrementalDetokenizer(load_tokenizer(tokenizer_path))
         ctx = zmq.Context()
+        # LINGER 0: pending messages never keep an exiting process alive; SNDHWM 0: sends
+        # queue instead of blocking when the peer is slow or gone.
+        ctx.setsockopt(zmq.LINGER, 0)
+        ctx.setsockopt(zmq.SNDHWM, 0)
         recv = ctx.socket(zmq.PULL)
         recv.bind(in_addr)
         send = ctx.socket(zmq.PUSH)

@@ -52,6 +52,8 @@ class TokenizerManager:
 
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.ctx.setsockopt(zmq.SNDHWM, 0)
         self.send_sock = self.ctx.socket(zmq.PUSH)
         self.send_sock.connect(self.scheduler_addr)
         self.recv_sock = self.ctx.socket(zmq.PULL)

@@ -69,6 +69,10 @@ def run_scheduler_process(
         tokenizer = load_tokenizer(loaded.tokenizer_path)
         sched = Scheduler(args, loaded.model, loaded.config, tokenizer)
         ctx = zmq.Context()
+        # LINGER 0: pending messages never keep an exiting process alive; SNDHWM 0: sends
+        # queue instead of blocking when the peer is slow or gone.
+        ctx.setsockopt(zmq.LINGER, 0)
+        ctx.setsockopt(zmq.SNDHWM, 0)
         recv = ctx.socket(zmq.PULL)
         recv.bind(in_addr)
         send = ctx.socket(zmq.PUSH)
