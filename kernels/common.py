@@ -1,0 +1,72 @@
+"""Pieces shared by the attention kernels: the online-softmax step and launch helpers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# exp(x) == exp2(x * LOG2E): the kernels fold LOG2E into the softmax scale and use exp2.
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs must not be rounded to tf32 (tests hold float32 to 1e-5)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits, so
+    under the interpreter bfloat16 dots run on float32 copies of the (bf16-valued) operands;
+    compiled kernels use the bfloat16 tensor-core dot."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index heads and tokens by stride but assume unit stride along head_dim."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 under the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def mma(a, b, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """``tl.dot(a, b)`` with a float32 accumulator (see ``dot_in_fp32``)."""
+    if DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def attend_block(acc, m_i, l_i, q, k_t, v, mask, qk_scale,
+                 APPLY_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """One step of the online softmax over a block of keys.
+
+    ``q`` [M, D], ``k_t`` [D, N] (keys transposed), ``v`` [N, D]; ``mask`` [M, N] (or
+    broadcastable) is applied only when ``APPLY_MASK``.  ``acc`` [M, D] (float32) holds the
+    un-normalised output, ``m_i`` [M] the running max of the scaled scores in log2 units,
+    ``l_i`` [M] the running sum of ``exp2(score - m_i)``.  Every row must see at least one
+    unmasked key in the first block it processes, so ``m_i`` never stays ``-inf``.
+    """
+    qk = mma(q, k_t, PRECISION, DOT_IN_FP32) * qk_scale
+    if APPLY_MASK:
+        qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, DOT_IN_FP32)
+    return acc, m_new, l_i
