@@ -14,8 +14,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
 from radixserve import messages as m
 
 logger = logging.getLogger(__name__)
@@ -106,7 +104,12 @@ class IncrementalDetokenizer:
 
 def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, ready_pipe: Any) -> None:
     """Process entry: PULL TokenOut from the scheduler, PUSH StrOut to the front end."""
-    from radixserve.logging_utils import configure_logging, ignore_interrupts, parent_alive
+    from radixserve.logging_utils import (
+        configure_logging,
+        ignore_interrupts,
+        open_pipeline_sockets,
+        parent_alive,
+    )
 
     ignore_interrupts()
 
@@ -115,15 +118,7 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
         from radixserve.tokenizer import load_tokenizer
 
         detok = IncrementalDetokenizer(load_tokenizer(tokenizer_path))
-        ctx = zmq.Context()
-        # LINGER 0: pending messages never keep an exiting process alive; SNDHWM 0: sends
-        # queue instead of blocking when the peer is slow or gone.
-        ctx.setsockopt(zmq.LINGER, 0)
-        ctx.setsockopt(zmq.SNDHWM, 0)
-        recv = ctx.socket(zmq.PULL)
-        recv.bind(in_addr)
-        send = ctx.socket(zmq.PUSH)
-        send.connect(out_addr)
+        recv, send = open_pipeline_sockets(in_addr, out_addr)
     except Exception as e:  # reported to the launcher, which fails the start with it
         logger.exception("detokenizer failed to start")
         ready_pipe.send(("error", f"detokenizer failed to start: {e!r}"))

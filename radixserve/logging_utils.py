@@ -1,10 +1,12 @@
-"""Logging set-up shared by the processes, and the parent-liveness check."""
+"""What the scheduler and detokenizer processes share: logging, signals, parent liveness, sockets."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+
+import zmq
 
 
 def configure_logging(process: str, level: str | None = None) -> None:
@@ -24,3 +26,19 @@ def parent_alive(parent_pid: int) -> bool:
 def ignore_interrupts() -> None:
     """Child processes leave Ctrl-C to the launcher, which stops them in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def open_pipeline_sockets(in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """A PULL socket bound at ``in_addr`` and a PUSH socket connected to ``out_addr``.
+
+    LINGER 0: pending messages never keep an exiting process alive; SNDHWM 0: sends queue
+    instead of blocking when the peer is slow or gone.
+    """
+    ctx = zmq.Context.instance()
+    ctx.setsockopt(zmq.LINGER, 0)
+    ctx.setsockopt(zmq.SNDHWM, 0)
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(in_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(out_addr)
+    return recv, send

@@ -49,3 +49,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return built[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(default_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama with the default model's vocabulary, tokenizer and chat template,
+    for end-to-end tests over HTTP (fast to load and to run)."""
+    from helpers.server import build_chat_tiny_model
+
+    return build_chat_tiny_model(default_model_path, str(tmp_path_factory.mktemp("tinychat")))

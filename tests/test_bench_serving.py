@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.server import ServerProcess, build_chat_tiny_model
+from helpers.server import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -29,11 +29,6 @@ SUMMARY_FIELDS = {
     "short_outputs", "cache_hit_rate", "server_cache_hit_rate", "ttft_ms", "tpot_ms", "itl_ms",
     "e2e_ms", "errors",
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(default_model_path, tmp_path_factory) -> str:
-    return build_chat_tiny_model(default_model_path, str(tmp_path_factory.mktemp("tinychat")))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import httpx
 import pytest
-from helpers.server import ServerProcess, build_chat_tiny_model
+from helpers.server import ServerProcess
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -21,11 +21,6 @@ def load(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(default_model_path, tmp_path_factory) -> str:
-    return build_chat_tiny_model(default_model_path, str(tmp_path_factory.mktemp("tinychat")))
 
 
 @pytest.fixture(scope="module")

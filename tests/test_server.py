@@ -9,14 +9,9 @@ import time
 import httpx
 import openai
 import pytest
-from helpers.server import ServerProcess, build_chat_tiny_model
+from helpers.server import ServerProcess
 
 SYSTEM = "You are a travel agent. Be concise, friendly and precise in every answer. " * 4
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(default_model_path, tmp_path_factory) -> str:
-    return build_chat_tiny_model(default_model_path, str(tmp_path_factory.mktemp("tinychat")))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from helpers.server import ServerProcess, build_chat_tiny_model
+from helpers.server import ServerProcess
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -67,11 +67,6 @@ BAD_REQUESTS = [
     ("wrong method", "/v1/models", {"x": 1}, 405, ""),
     ("unknown route", "/v1/nothing", {}, 404, ""),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(default_model_path, tmp_path_factory) -> str:
-    return build_chat_tiny_model(default_model_path, str(tmp_path_factory.mktemp("tinychat")))
 
 
 @pytest.fixture(scope="module")

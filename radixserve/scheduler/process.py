@@ -52,7 +52,12 @@ def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str) -> None:
 def run_scheduler_process(
     args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_pipe: Any
 ) -> None:
-    from radixserve.logging_utils import configure_logging, ignore_interrupts, parent_alive
+    from radixserve.logging_utils import (
+        configure_logging,
+        ignore_interrupts,
+        open_pipeline_sockets,
+        parent_alive,
+    )
 
     ignore_interrupts()
 
@@ -68,15 +73,7 @@ def run_scheduler_process(
         loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device)
         tokenizer = load_tokenizer(loaded.tokenizer_path)
         sched = Scheduler(args, loaded.model, loaded.config, tokenizer)
-        ctx = zmq.Context()
-        # LINGER 0: pending messages never keep an exiting process alive; SNDHWM 0: sends
-        # queue instead of blocking when the peer is slow or gone.
-        ctx.setsockopt(zmq.LINGER, 0)
-        ctx.setsockopt(zmq.SNDHWM, 0)
-        recv = ctx.socket(zmq.PULL)
-        recv.bind(in_addr)
-        send = ctx.socket(zmq.PUSH)
-        send.connect(out_addr)
+        recv, send = open_pipeline_sockets(in_addr, out_addr)
     except Exception as e:  # reported to the launcher, which fails the start with it
         logger.exception("scheduler failed to start")
         ready_pipe.send(("error", f"scheduler failed to start: {e!r}"))
