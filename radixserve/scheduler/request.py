@@ -99,10 +99,6 @@ class Req:
     def fill_len(self) -> int:
         return self.prompt_len + self.output_len
 
-    @property
-    def fill_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
-
     def tokens(self, start: int, end: int | None = None) -> np.ndarray:
         """``fill_ids[start:end]`` as an int64 view (do not keep it across appends)."""
         return self._tokens[start : self.fill_len if end is None else end]
