@@ -33,6 +33,10 @@ _HELP = {
     "served_model_name": "model name reported by /v1/models and accepted in requests",
     "max_queued_requests": "waiting requests beyond which new ones get HTTP 503 (unlimited when unset)",
     "api_key": "require 'Authorization: Bearer <key>' on HTTP requests",
+    "grammar_backend": "constrained decoding backend: xgrammar, or none (json_schema/regex/ebnf refused)",
+    "disable_jump_forward": "decode grammar-forced text token by token instead of appending it at once",
+    "tool_call_parser": "tool-call format: auto (from the chat template), hermes, qwen25, qwen3, llama3, mistral, prompted",
+    "reasoning_parser": "split <think> output into reasoning_content: qwen3 or deepseek-r1",
 }
 
 

@@ -10,6 +10,9 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("lpm", "fcfs")
 _BACKENDS = ("auto", "torch", "triton")
+_GRAMMAR_BACKENDS = ("xgrammar", "none")
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "prompted")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class ServerArgs:
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503
     api_key: str | None = None  # when set, HTTP requests need "Authorization: Bearer <key>"
     startup_timeout: float = 600.0  # seconds to wait for the model to load
+    grammar_backend: str = "xgrammar"  # constrained decoding (json_schema/regex/ebnf); "none" refuses them
+    disable_jump_forward: bool = False  # decode grammar-forced text token by token
+    tool_call_parser: str = "auto"  # auto (detected from the chat template), hermes, qwen25, qwen3, llama3, mistral, prompted
+    reasoning_parser: str | None = None  # qwen3 or deepseek-r1: split <think> into reasoning_content
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -74,6 +81,18 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if self.grammar_backend not in _GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend must be one of {_GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
+            )
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

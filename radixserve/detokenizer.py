@@ -99,6 +99,8 @@ class IncrementalDetokenizer:
             meta=out.meta,
             logprobs=out.logprobs,
             top_logprobs=out.top_logprobs,
+            input_logprobs=out.input_logprobs,
+            input_top_logprobs=out.input_top_logprobs,
         )
 
 

@@ -18,6 +18,7 @@ from radixserve.config import ServerArgs
 from radixserve.frontend.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.launcher import ProcessGroup
 from radixserve.tokenizer import load_tokenizer
+from radixserve.validation import check_logprob_start_len
 
 logger = logging.getLogger(__name__)
 WATCHDOG_INTERVAL_S = 0.5
@@ -37,6 +38,10 @@ def _merge(pieces: list[dict[str, Any]]) -> dict[str, Any]:
         out["meta_info"]["output_top_logprobs"] = [
             top for p in pieces for top in (p.get("top_logprobs") or [])
         ]
+    first = next((p for p in pieces if "input_logprobs" in p), None)  # sent once
+    if first is not None:
+        out["meta_info"]["input_token_logprobs"] = first["input_logprobs"]
+        out["meta_info"]["input_top_logprobs"] = first["input_top_logprobs"]
     return out
 
 
@@ -113,17 +118,26 @@ class Engine:
                 raise ValueError(f"request {i}: {e}" if batched else str(e)) from None
         return batched, prepared
 
-    async def _collect(self, ids: list[int], params: Any, return_logprob: bool, top_logprobs_num: int) -> dict[str, Any]:
-        pieces = [p async for p in self.tm.generate(ids, params, False, return_logprob, top_logprobs_num)]
+    @staticmethod
+    def _check_start(prepared: list[tuple[list[int], Any]], logprob_start_len: int, batched: bool) -> None:
+        for i, (ids, _) in enumerate(prepared):
+            try:
+                check_logprob_start_len(logprob_start_len, len(ids))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}" if batched else str(e)) from None
+
+    async def _collect(self, ids: list[int], params: Any, logprob: tuple[bool, int, int]) -> dict[str, Any]:
+        return_logprob, top_n, start = logprob
+        pieces = [
+            p async for p in self.tm.generate(ids, params, False, return_logprob, top_n, logprob_start_len=start)
+        ]
         return _merge(pieces)
 
     async def _generate_all(
-        self, prepared: list[tuple[list[int], Any]], return_logprob: bool, top_logprobs_num: int, progress: bool
+        self, prepared: list[tuple[list[int], Any]], logprob: tuple[bool, int, int], progress: bool
     ) -> list[dict[str, Any]]:
-        tasks = [
-            asyncio.ensure_future(self._collect(ids, sp, return_logprob, top_logprobs_num))
-            for ids, sp in prepared
-        ]
+        """``logprob``: ``(return_logprob, top_logprobs_num, logprob_start_len)``."""
+        tasks = [asyncio.ensure_future(self._collect(ids, sp, logprob)) for ids, sp in prepared]
         if progress:
             from tqdm import tqdm
 
@@ -150,6 +164,7 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
         progress: bool | None = None,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts, in input order).
 
@@ -157,23 +172,34 @@ class Engine:
         ``cached_tokens``, ``completion_tokens``, ``finish_reason``).  ``stream=True`` (one
         prompt) yields pieces whose ``text`` / ``output_ids`` are the new part only.  Batches
         of two or more show a progress bar unless ``progress=False``.
+
+        ``return_logprob`` adds ``output_token_logprobs`` / ``output_top_logprobs`` (pairs
+        ``[token_id, logprob]``, ``top_logprobs_num`` per token) to ``meta_info``; with
+        ``logprob_start_len = k >= 0`` also ``input_token_logprobs`` / ``input_top_logprobs``
+        for prompt positions ``[k, prompt_len)`` (None at position 0).  Prompt tokens whose
+        logprobs are asked for are computed even when cached.
         """
         batched, prepared = self._normalize(prompt, sampling_params, input_ids)
+        self._check_start(prepared, logprob_start_len, batched)
+        logprob = (return_logprob, top_logprobs_num, logprob_start_len)
         if stream:
             if batched:
                 raise ValueError("stream=True takes a single prompt")
-            return self._stream_sync(prepared[0], return_logprob, top_logprobs_num)
+            return self._stream_sync(prepared[0], logprob)
         show = progress if progress is not None else len(prepared) > 1
-        results = self._call(self._generate_all(prepared, return_logprob, top_logprobs_num, show))
+        results = self._call(self._generate_all(prepared, logprob, show))
         return results if batched else results[0]
 
-    def _stream_sync(self, prepared: tuple[list[int], Any], return_logprob: bool, top_n: int) -> Iterator[dict[str, Any]]:
+    def _stream_sync(self, prepared: tuple[list[int], Any], logprob: tuple[bool, int, int]) -> Iterator[dict[str, Any]]:
         q: queue.Queue = queue.Queue()
         done = object()
+        return_logprob, top_n, start = logprob
 
         async def pump() -> None:
             try:
-                async for piece in self.tm.generate(prepared[0], prepared[1], True, return_logprob, top_n):
+                async for piece in self.tm.generate(
+                    prepared[0], prepared[1], True, return_logprob, top_n, logprob_start_len=start
+                ):
                     q.put(piece)
             except BaseException as e:  # handed to the consumer thread, which re-raises it
                 q.put(e)
@@ -197,21 +223,23 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio variant of :meth:`generate`, usable from any event loop."""
         batched, prepared = self._normalize(prompt, sampling_params, input_ids)
+        self._check_start(prepared, logprob_start_len, batched)
+        logprob = (return_logprob, top_logprobs_num, logprob_start_len)
         if stream:
             if batched:
                 raise ValueError("stream=True takes a single prompt")
-            return self._stream_async(prepared[0], return_logprob, top_logprobs_num)
-        fut = asyncio.run_coroutine_threadsafe(
-            self._generate_all(prepared, return_logprob, top_logprobs_num, False), self._loop
-        )
+            return self._stream_async(prepared[0], logprob)
+        fut = asyncio.run_coroutine_threadsafe(self._generate_all(prepared, logprob, False), self._loop)
         results = await asyncio.wrap_future(fut)
         return results if batched else results[0]
 
-    async def _stream_async(self, prepared: tuple[list[int], Any], return_logprob: bool, top_n: int) -> AsyncIterator[dict[str, Any]]:
-        agen = self.tm.generate(prepared[0], prepared[1], True, return_logprob, top_n)
+    async def _stream_async(self, prepared: tuple[list[int], Any], logprob: tuple[bool, int, int]) -> AsyncIterator[dict[str, Any]]:
+        return_logprob, top_n, start = logprob
+        agen = self.tm.generate(prepared[0], prepared[1], True, return_logprob, top_n, logprob_start_len=start)
         try:
             while True:
                 fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)

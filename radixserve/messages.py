@@ -72,6 +72,8 @@ class GenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False
+    # -1: no prompt logprobs; k >= 0: logprobs of prompt tokens [k, prompt_len) (with return_logprob)
+    logprob_start_len: int = -1
 
 
 @message("abort")
@@ -107,6 +109,10 @@ class TokenOut:
     init: list[dict[str, Any] | None]
     logprobs: list[list[float] | None] = field(default_factory=list)
     top_logprobs: list[list[list[list[float]]] | None] = field(default_factory=list)
+    # Prompt logprobs, on the request's first row only (else None): one entry per prompt
+    # position from logprob_start_len on, None at position 0.
+    input_logprobs: list[list[float | None] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[list[float]] | None] | None] = field(default_factory=list)
 
 
 @message("error_out")
@@ -144,6 +150,9 @@ class StrOut:
     meta: list[dict[str, Any]]
     logprobs: list[list[float] | None] = field(default_factory=list)
     top_logprobs: list[list[list[list[float]]] | None] = field(default_factory=list)
+    # Prompt logprobs, passed through from TokenOut.
+    input_logprobs: list[list[float | None] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[list[float]] | None] | None] = field(default_factory=list)
 
 
 def as_int_list(ids: Any) -> list[int]:

@@ -27,3 +27,14 @@ def check_input_ids(input_ids: object, vocab_size: int, context_len: int, pool_t
             f"the prompt has {len(input_ids)} tokens but the KV pool holds {pool_tokens}"
         )
     return list(input_ids)
+
+
+def check_logprob_start_len(logprob_start_len: object, prompt_len: int) -> None:
+    """``-1`` (no prompt logprobs) or a prompt position ``[0, prompt_len)``; else ``ValueError``."""
+    if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
+        raise ValueError("logprob_start_len must be an integer")
+    if not -1 <= logprob_start_len < prompt_len:
+        raise ValueError(
+            f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
+            f"[0, {prompt_len}), got {logprob_start_len}"
+        )

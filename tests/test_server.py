@@ -4,52 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
-from helpers.server import ServerProcess
+from helpers.server import (
+    memory_checked_after_each_test,
+    openai_client,
+    server_info,
+    tiny_chat_server,
+    wait_idle,
+)
 
 SYSTEM = "You are a travel agent. Be concise, friendly and precise in every answer. " * 4
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_model):
-    srv = ServerProcess("--model", tiny_chat_model, "--served-model-name", "tiny",
-                        "--max-total-tokens", "20000", "--context-length", "1024",
-                        "--max-queued-requests", "200").wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+server = tiny_chat_server("--max-total-tokens", "20000", "--context-length", "1024",
+                          "--max-queued-requests", "200")
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
-def server_info(server) -> dict:
-    return httpx.get(server.base_url + "/server_info", timeout=30).json()
-
-
-def wait_idle(server, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server_info(server)
-        if info["stats"]["running"] == 0 and info["stats"]["waiting"] == 0:
-            return info
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not idle: {info['stats']}")
-        time.sleep(0.2)
-
-
-@pytest.fixture(autouse=True)
-def memory_invariant(request):
-    yield
-    if "server" in request.fixturenames:
-        info = wait_idle(request.getfixturevalue("server"))
-        assert info["memory"]["ok"], info["memory"]
-        assert info["memory"]["locked_tokens"] == 0 and info["memory"]["request_pages"] == 0
+memory_invariant = memory_checked_after_each_test("server")
 
 
 def test_models_and_health(server, client) -> None:

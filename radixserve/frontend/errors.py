@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,20 +53,47 @@ def from_request_error(e: RequestError) -> APIError:
     return APIError(str(e), e.status, headers=headers)
 
 
+# Location parts pydantic adds for union branches ("str", "list[int]", "ContentPart"): they
+# are not fields, so a param never shows them.
+_BRANCH = re.compile(r"^[A-Z]|\[|^(str|int|float|bool|dict|list|none)$")
+
+
+def _param(loc: tuple, below: str = "") -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``messages[0].content``; ``below`` (a
+    validator's ``ctx.param``, e.g. ``"[1]"`` or ``"audio"``) is appended."""
+    out = ""
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _BRANCH.search(str(part)):
+            out += f".{part}" if out else str(part)
+    if below:
+        out += below if below.startswith("[") or not out else f".{below}"
+    return out or None
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    # Smart unions report one error per branch; the deepest is the branch the client meant.
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    ctx = first.get("ctx") or {}
+    param = _param(tuple(first.get("loc", ())), str(ctx.get("param", "")))
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
     if first.get("type") == "missing":
-        return f"missing required field '{param}'", param
+        return (f"missing required field '{param}'" if param else "the request body is missing"), param
     if first.get("type") == "extra_forbidden":
         return f"unknown field '{param}'", param
-    msg = first.get("msg", "invalid value")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if "param" in ctx:  # raised by protocol_base.reject: the message names the field already
+        return msg, param
+    # A value that fits no branch of a union: say what each branch wanted.
+    depth = len(first.get("loc", ()))
+    alike = [str(e.get("msg")) for e in errors
+             if len(e.get("loc", ())) == depth and _param(tuple(e.get("loc", ()))) == param]
+    msg = "; or ".join(dict.fromkeys([msg, *(m.removeprefix("Value error, ") for m in alike)]))
     return (f"invalid value for '{param}': {msg}" if param else msg), param
 
 

@@ -17,6 +17,7 @@ from radixserve.frontend.errors import APIError
 from radixserve.frontend.protocol import AbortRequest, GenerateRequest
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
 from radixserve.frontend.tokenizer_manager import RequestError
+from radixserve.validation import check_logprob_start_len
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -27,11 +28,12 @@ def _state(request: Request) -> ServerState:
 
 
 def _result(r: dict[str, Any]) -> dict[str, Any]:
-    out = {"text": r["text"], "output_ids": r["output_ids"], "meta_info": r["meta_info"]}
+    meta = dict(r["meta_info"])
     if r.get("logprobs"):
-        out["meta_info"] = {**r["meta_info"], "output_token_logprobs": r["logprobs"],
-                            "output_top_logprobs": r["top_logprobs"]}
-    return out
+        meta.update(output_token_logprobs=r["logprobs"], output_top_logprobs=r["top_logprobs"])
+    if "input_logprobs" in r:  # logprob_start_len >= 0: prompt positions from it on
+        meta.update(input_token_logprobs=r["input_logprobs"], input_top_logprobs=r["input_top_logprobs"])
+    return {"text": r["text"], "output_ids": r["output_ids"], "meta_info": meta}
 
 
 @router.post("/generate")
@@ -50,6 +52,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     for i in range(n):
         try:
             prepared.append(st.prepare(texts[i] if texts else None, ids_list[i] if ids_list else None, sps[i]))
+            check_logprob_start_len(body.logprob_start_len, len(prepared[-1][0]))
         except ValueError as e:
             raise APIError(f"request {i}: {e}" if batched else str(e), 400) from e
     if body.stream:
@@ -57,7 +60,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             raise APIError("stream=true takes a single prompt", 400, param="stream")
         ids, params = prepared[0]
         pieces = st.stream(ids, params, stream=True, logprob=body.return_logprob,
-                           top_n=body.top_logprobs_num, rid=body.rid)
+                           top_n=body.top_logprobs_num, rid=body.rid,
+                           logprob_start_len=body.logprob_start_len)
         it = pieces.__aiter__()
         first = await it.__anext__()  # errors answer with their status before streaming
 
@@ -74,7 +78,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     rids = [body.rid if not batched else None] * n
     results = await asyncio.gather(*[
         collect(st.stream(ids, params, stream=False, logprob=body.return_logprob,
-                          top_n=body.top_logprobs_num, rid=rids[i]), request)
+                          top_n=body.top_logprobs_num, rid=rids[i],
+                          logprob_start_len=body.logprob_start_len), request)
         for i, (ids, params) in enumerate(prepared)
     ])
     out = [_result(merge_pieces(r)) for r in results]

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/completions, /v1/models, and the helpers the chat route
+(``chat_api``, /v1/chat/completions, registered on this router at the end) shares."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import ORJSONResponse, StreamingResponse
 
 from radixserve.frontend.errors import APIError
-from radixserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.frontend.protocol import CompletionRequest
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
 from radixserve.sampling import SamplingParams
 
@@ -49,32 +50,6 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-
-
-def _render_chat(st: ServerState, body: ChatCompletionRequest) -> str:
-    msgs = []
-    for m in body.messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        if m.name:
-            d["name"] = m.name
-        if m.tool_calls:
-            d["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
-        if m.tool_call_id:
-            d["tool_call_id"] = m.tool_call_id
-        msgs.append(d)
-    tok = st.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions", 400, param="messages")
-    try:
-        return tok.apply_chat_template(
-            msgs,
-            tools=body.tools,
-            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-            tokenize=False,
-        )
-    except Exception as e:  # template errors (jinja) are the request's fault
-        raise APIError(f"cannot apply the chat template to these messages: {e}", 400, param="messages") from e
 
 
 async def _fan_in(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, Any]]:
@@ -120,21 +95,6 @@ def _token_str(st: ServerState, tok: int) -> str:
     return st.tokenizer.decode([tok])
 
 
-def _chat_logprobs(st: ServerState, ids: list[int], lps: list[float], tops: list[Any]) -> dict[str, Any]:
-    content = []
-    for j, (tok, lp) in enumerate(zip(ids, lps, strict=False)):
-        s = _token_str(st, tok)
-        alts = tops[j] if j < len(tops) and tops[j] else []
-        content.append({
-            "token": s, "logprob": lp, "bytes": list(s.encode()),
-            "top_logprobs": [
-                {"token": (a := _token_str(st, int(t))), "logprob": v, "bytes": list(a.encode())}
-                for t, v in alts
-            ],
-        })
-    return {"content": content}
-
-
 @router.get("/v1/models")
 async def models(request: Request) -> ORJSONResponse:
     st = _state(request)
@@ -147,90 +107,39 @@ async def models(request: Request) -> ORJSONResponse:
     })
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    st = _state(request)
-    st.check_model(body.model)
-    prompt = _render_chat(st, body)
-    ids, params = st.prepare(prompt, None, body.sampling_dict(body.max_new_tokens), check_total=True)
-    top_n = body.top_logprobs or 0
-    choice_params = _choice_params(params, body.n)
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
+def _completion_logprobs(st: ServerState, ids: list[int], lps: list[float | None],
+                         tops: list[Any], offset: int) -> dict[str, Any]:
+    """OpenAI's completion ``logprobs`` for ``ids``; ``text_offset`` counts from ``offset``.
 
-    def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
-        return [st.stream(ids, p, stream=stream, logprob=body.logprobs, top_n=top_n) for p in choice_params]
-
-    if not body.stream:
-        results = await asyncio.gather(*[collect(s, request) for s in streams(False)])
-        merged = [merge_pieces(r) for r in results]
-        choices = [{
-            "index": i,
-            "message": {"role": "assistant", "content": r["text"]},
-            "logprobs": _chat_logprobs(st, r["output_ids"], r["logprobs"], r["top_logprobs"]) if body.logprobs else None,
-            "finish_reason": _finish(r["meta_info"]),
-        } for i, r in enumerate(merged)]
-        usage = _usage(len(ids), sum(r["meta_info"]["completion_tokens"] for r in merged),
-                       merged[0]["meta_info"]["cached_tokens"])
-        return ORJSONResponse({"id": cid, "object": "chat.completion", "created": created,
-                               "model": model, "choices": choices, "usage": usage})
-
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": choices}
-        if include_usage:
-            obj["usage"] = usage
-        return _sse(obj)
-
-    async def gen() -> AsyncIterator[bytes]:
-        started = set()
-        completion, cached = 0, 0
-        async for i, piece in _fan_in(streams(True)):
-            if i not in started:
-                started.add(i)
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-            meta = piece["meta_info"]
-            finished = piece["finished"]
-            if piece["text"] or finished:
-                lp = (_chat_logprobs(st, piece["output_ids"], piece.get("logprobs") or [],
-                                     piece.get("top_logprobs") or []) if body.logprobs else None)
-                delta = {"content": piece["text"]} if piece["text"] else {}
-                yield chunk([{"index": i, "delta": delta, "logprobs": lp,
-                              "finish_reason": _finish(meta) if finished else None}])
-            if finished:
-                completion += meta["completion_tokens"]
-                if i == 0:
-                    cached = meta["cached_tokens"]
-        if include_usage:
-            yield chunk([], _usage(len(ids), completion, cached))
-        yield b"data: [DONE]\n\n"
-
-    return await _start_stream(gen())
-
-
-def _completion_logprobs(st: ServerState, ids: list[int], lps: list[float], tops: list[Any], offset: int) -> dict[str, Any]:
+    A None logprob / top list (the first prompt token under ``echo``) stays None (null).
+    """
     tokens = [_token_str(st, t) for t in ids]
     offsets, pos = [], offset
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {
-        "tokens": tokens,
-        "token_logprobs": lps,
-        "top_logprobs": [{_token_str(st, int(t)): v for t, v in (tops[j] if j < len(tops) else [])}
-                         for j in range(len(ids))],
-        "text_offset": offsets,
-    }
+    top = []
+    for j in range(len(ids)):
+        alts = tops[j] if j < len(tops) else []
+        top.append(None if alts is None else {_token_str(st, int(t)): v for t, v in alts})
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+
+def _join_logprobs(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    """The prompt's logprobs (``echo``) followed by the completion's."""
+    if first is None:
+        return second
+    return {key: first[key] + second[key] for key in second}
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
+    """OpenAI completions.  ``echo`` with ``logprobs`` returns the prompt tokens' logprobs
+    (the first one null) followed by the completion's, computed in the same prefill: those
+    requests ask the scheduler for prompt logprobs from position 0, so their prompt is
+    computed even when it is cached."""
     st = _state(request)
     st.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise APIError("echo together with logprobs is not supported (no prompt logprobs)", 400, param="echo")
     sampling = body.sampling_dict(body.max_tokens)
     prepared = []
     for k, p in enumerate(body.prompts()):
@@ -241,12 +150,20 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             raise APIError(f"prompt {k}: {e}" if len(body.prompts()) > 1 else str(e), 400, param="prompt") from e
     want_lp = body.logprobs is not None
     top_n = body.logprobs or 0
+    echo_lp = body.echo and want_lp
     jobs = [(ids, cp) for ids, params in prepared for cp in _choice_params(params, body.n)]
     echo_text = [st.tokenizer.decode(ids) if body.echo else "" for ids, _ in jobs]
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
 
     def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
-        return [st.stream(ids, p, stream=stream, logprob=want_lp, top_n=top_n) for ids, p in jobs]
+        return [st.stream(ids, p, stream=stream, logprob=want_lp, top_n=top_n,
+                          logprob_start_len=0 if echo_lp else -1) for ids, p in jobs]
+
+    def prompt_logprobs(i: int, piece: dict[str, Any]) -> dict[str, Any] | None:
+        """Choice i's prompt part (echo + logprobs), from the piece that carries it."""
+        if not echo_lp:
+            return None
+        return _completion_logprobs(st, jobs[i][0], piece["input_logprobs"], piece["input_top_logprobs"], 0)
 
     prompt_tokens = sum(len(ids) for ids, _ in prepared)
     if not body.stream:
@@ -254,7 +171,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         choices = [{
             "index": i,
             "text": echo_text[i] + r["text"],
-            "logprobs": _completion_logprobs(st, r["output_ids"], r["logprobs"], r["top_logprobs"], 0) if want_lp else None,
+            "logprobs": _join_logprobs(
+                prompt_logprobs(i, r),
+                _completion_logprobs(st, r["output_ids"], r["logprobs"], r["top_logprobs"], len(echo_text[i])),
+            ) if want_lp else None,
             "finish_reason": _finish(r["meta_info"]),
         } for i, r in enumerate(results)]
         cached = sum(results[k * body.n]["meta_info"]["cached_tokens"] for k in range(len(prepared)))
@@ -273,16 +193,28 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     async def gen() -> AsyncIterator[bytes]:
         completion, cached = 0, 0
         sent_echo: set[int] = set()
-        text_pos = [0] * len(jobs)
+        text_pos = [0] * len(jobs)  # characters of choice i's text sent so far
+        # Per choice, logprobs not sent yet: a piece whose text is held back (a character
+        # split across tokens) sends its tokens' logprobs with the next chunk that has text.
+        held: list[dict[str, Any]] = [{"prompt": None, "ids": [], "lps": [], "tops": []} for _ in jobs]
         async for i, piece in _fan_in(streams(True)):
             text = piece["text"]
+            start = text_pos[i]  # where this chunk's completion text begins
             if i not in sent_echo:
                 sent_echo.add(i)
                 text = echo_text[i] + text
+                start += len(echo_text[i])
+                held[i]["prompt"] = prompt_logprobs(i, piece)
+            h = held[i]
+            h["ids"] += piece["output_ids"]
+            h["lps"] += piece.get("logprobs") or []
+            h["tops"] += piece.get("top_logprobs") or []
             finished = piece["finished"]
             if text or finished:
-                lp = (_completion_logprobs(st, piece["output_ids"], piece.get("logprobs") or [],
-                                           piece.get("top_logprobs") or [], text_pos[i]) if want_lp else None)
+                lp = None
+                if want_lp:
+                    lp = _join_logprobs(h["prompt"], _completion_logprobs(st, h["ids"], h["lps"], h["tops"], start))
+                    held[i] = {"prompt": None, "ids": [], "lps": [], "tops": []}
                 text_pos[i] += len(text)
                 yield chunk([{"index": i, "text": text, "logprobs": lp,
                               "finish_reason": _finish(piece["meta_info"]) if finished else None}])
@@ -295,3 +227,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         yield b"data: [DONE]\n\n"
 
     return await _start_stream(gen())
+
+
+# /v1/chat/completions lives in its own module and registers itself on `router`.
+from radixserve.frontend import chat_api as _chat_api  # noqa: E402, F401

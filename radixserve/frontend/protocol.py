@@ -1,38 +1,80 @@
 """OpenAI-compatible and native request bodies, validated by pydantic.
 
-Validation errors become HTTP 400 with an OpenAI-style body naming the field (see
-``errors.py``).  Fields the OpenAI API accepts but radixserve does not act on are still
-type-checked so a client learns about a typo instead of a silent default.
+Every field of OpenAI's Chat Completions and (legacy) Completions request schemas is
+accepted, plus the extensions SGLang and vLLM clients send (``top_k``, ``min_p``,
+``min_tokens``, ``regex``, ``ebnf``, ``json_schema``, ``chat_template_kwargs``, ...).  Which
+fields are implemented, ignored (``IGNORED_FIELDS``) or refused (``UNSUPPORTED``), and how
+nulls and errors are handled, is in ``protocol_base.py``; chat messages are in
+``chat_messages.py``, ``response_format`` in ``response_format.py``.  Validation errors become
+HTTP 400 with an OpenAI-style body (see ``errors.py``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictInt,
-    field_validator,
-    model_validator,
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
+
+from radixserve.frontend.chat_messages import (
+    ChatMessage,
+    ContentPart,
+    FunctionDef,
+    FunctionName,
+    Prediction,
+    ToolCall,
+    ToolCallFunction,
 )
+from radixserve.frontend.protocol_base import (
+    IGNORED_FIELDS,
+    NAME_PATTERN,
+    UNSUPPORTED,
+    Body,
+    check_json_schema,
+    reject,
+    unsupported,
+)
+from radixserve.frontend.response_format import (
+    JSON_OBJECT_SCHEMA,
+    RESPONSE_FORMAT_TYPES,
+    JSONSchemaFormat,
+    ResponseFormat,
+)
+
+__all__ = [
+    "IGNORED_FIELDS",
+    "JSON_OBJECT_SCHEMA",
+    "NAME_PATTERN",
+    "RESPONSE_FORMAT_TYPES",
+    "UNSUPPORTED",
+    "AbortRequest",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ContentPart",
+    "FunctionDef",
+    "FunctionName",
+    "GenerateRequest",
+    "JSONSchemaFormat",
+    "Prediction",
+    "ResponseFormat",
+    "StreamOptions",
+    "ToolCall",
+    "ToolCallFunction",
+    "check_json_schema",
+]
 
 StopField = str | list[str] | None
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: usage on every chunk
+    include_obfuscation: StrictBool | None = None  # ignored (IGNORED_FIELDS)
 
 
-class _SamplingFields(_Body):
-    """Sampling fields shared by both OpenAI routes (plus SGLang's extensions)."""
+class _SamplingFields(Body):
+    """Sampling fields shared by both OpenAI routes (plus SGLang's and vLLM's extensions)."""
 
     model: str | None = None
     n: StrictInt = Field(1, ge=1, le=16)
@@ -45,14 +87,22 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # ignored
     # SGLang / vLLM extensions
     top_k: StrictInt | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: StrictInt | None = Field(None, ge=0)  # sampling min_new_tokens
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None  # keep the matched stop string in the output
+    # Constrained decoding: at most one of response_format (other than text), regex, ebnf,
+    # json_schema.  regex and ebnf use xgrammar's dialects; the grammar backend checks them.
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, min_length=1)
+    ebnf: str | None = Field(None, min_length=1)
+    json_schema: str | dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -81,10 +131,62 @@ class _SamplingFields(_Body):
             raise ValueError("top_k must be -1 (off) or >= 1")
         return v
 
+    @field_validator("json_schema")
+    @classmethod
+    def _json_schema(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, str):
+            try:
+                parsed = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise reject("", f"json_schema is not valid JSON: {e}") from e
+            check_json_schema("json_schema", parsed, param="")
+            return parsed
+        check_json_schema("json_schema", v, param="")
+        return v
+
+    @model_validator(mode="after")
+    def _sampling_checks(self) -> _SamplingFields:
+        rf = self.response_format
+        if rf is not None and rf.json_schema is not None and rf.json_schema.schema_ is not None:
+            check_json_schema("response_format.json_schema.schema", rf.json_schema.schema_)
+        given = [name for name in ("response_format", "regex", "ebnf", "json_schema")
+                 if getattr(self, name) is not None
+                 and not (name == "response_format" and rf is not None and rf.type == "text")]
+        if len(given) > 1:
+            raise reject(given[1], f"give at most one constraint; got {' and '.join(given)}")
+        bound = self.max_new_tokens
+        if self.min_tokens and bound is not None and self.min_tokens > bound:
+            raise reject("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed the "
+                                       f"maximum number of tokens ({bound})")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return None
+
+    def grammar_fields(self) -> dict[str, str]:
+        """The request's constraint as sampling-param fields (empty when it has none)."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return {"json_schema": json.dumps(JSON_OBJECT_SCHEMA)}
+        if rf is not None and rf.json_schema is not None:
+            schema = rf.json_schema.schema_
+            return {"json_schema": json.dumps(JSON_OBJECT_SCHEMA if schema is None else schema)}
+        if rf is not None and rf.format is not None:
+            return {"structural_tag": json.dumps({"type": "structural_tag", "format": rf.format})}
+        if self.json_schema is not None:
+            return {"json_schema": json.dumps(self.json_schema)}
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.ebnf is not None:
+            return {"ebnf": self.ebnf}
+        return {}
+
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling_params for this body (None values mean "default")."""
         d: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -97,45 +199,12 @@ class _SamplingFields(_Body):
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            **self.grammar_fields(),
         }
         if self.logit_bias:
             d["logit_bias"] = {int(k): float(b) for k, b in self.logit_bias.items()}
         return {k: v for k, v in d.items() if v is not None}
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ToolCallFunction(_Body):
-    name: str
-    arguments: str
-
-
-class ToolCall(_Body):
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _content(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
-        return self
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -147,41 +216,130 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = None
+    # Deprecated by OpenAI; mapped onto tools / tool_choice in _map_functions (a one-to-one
+    # rename, so mapping is simpler than refusing).  Answers carry tool_calls.
+    functions: list[FunctionDef] | None = Field(None, min_length=1)
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+    # Harmless: accepted, type-checked, ignored (IGNORED_FIELDS).  Enumerated ones are typed
+    # as str so a value OpenAI adds later does not turn an ignored field into a 400.
+    store: StrictBool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    reasoning_effort: str | None = None
+    prediction: Prediction | None = None
+    # UNSUPPORTED meanings: refused when set.
+    audio: Any = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # SGLang / vLLM chat extensions
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: StrictBool = True
     continue_final_message: StrictBool = False
     add_generation_prompt: StrictBool = True
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+            raise ValueError("metadata holds at most 16 pairs; keys up to 64 characters, values up to 512")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(v or []):
+            if tool.get("type", "function") != "function":
+                raise unsupported(f"tools[{i}].type", "tools[].type", param=f"[{i}].type")
+            fn = tool.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise reject(f"[{i}].function.name", f"tools[{i}].function.name must be a non-empty string")
+            if fn.get("parameters") is not None:
+                check_json_schema(f"tools[{i}].function.parameters", fn["parameters"],
+                                  param=f"[{i}].function.parameters")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or an object, got {v!r}")
+        return v
+
     @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
+    def _chat_checks(self) -> ChatCompletionRequest:
+        for name in ("audio", "web_search_options", "moderation"):
+            if getattr(self, name) is not None:
+                raise unsupported(name)
+        if self.modalities and "audio" in self.modalities:
+            raise unsupported("modalities")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+            raise reject("top_logprobs", "top_logprobs requires logprobs=true")
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                raise reject("continue_final_message", "continue_final_message needs the last "
+                                                       "message to be an assistant message")
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise reject("continue_final_message", "continue_final_message and "
+                                                       "add_generation_prompt cannot both be true")
+        self._map_functions()
         return self
+
+    def _map_functions(self) -> None:
+        if self.functions is not None:
+            if self.tools is not None:
+                raise reject("functions", "give tools or the deprecated functions, not both")
+            for i, f in enumerate(self.functions):
+                if f.parameters is not None:
+                    check_json_schema(f"functions[{i}].parameters", f.parameters)
+            self.tools = [{"type": "function", "function": f.model_dump(exclude_none=True)}
+                          for f in self.functions]
+        if self.function_call is not None:
+            if self.functions is None or self.tool_choice is not None:
+                raise reject("function_call", "function_call needs functions, and no tool_choice")
+            fc = self.function_call
+            self.tool_choice = fc if isinstance(fc, str) else {"type": "function", "function": {"name": fc.name}}
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The client used the deprecated ``functions`` (it may expect ``function_call`` back)."""
+        return self.functions is not None
 
     @property
     def max_new_tokens(self) -> int | None:
+        """None when the client gave no limit: the route caps at the context length."""
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt = Field(16, ge=1)  # OpenAI's documented default for completions
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    suffix: str | None = None
-    best_of: StrictInt | None = None
+    suffix: str | None = None  # UNSUPPORTED when non-empty
+    best_of: StrictInt | None = Field(None, ge=1)  # UNSUPPORTED when > n
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1, self.n):
-            raise ValueError("best_of must equal n")
+            raise unsupported("suffix")
+        if self.best_of is not None and self.best_of < self.n:
+            raise reject("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n:
+            raise unsupported("best_of")
         p = self.prompt
         if isinstance(p, list) and len(p) == 0:
-            raise ValueError("prompt must not be empty")
+            raise reject("prompt", "prompt must not be empty")
         return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -193,7 +351,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(Body):
     """Native ``/generate`` (SGLang's shape)."""
 
     text: str | list[str] | None = None
@@ -202,14 +360,15 @@ class GenerateRequest(_Body):
     stream: StrictBool = False
     return_logprob: StrictBool = False
     top_logprobs_num: StrictInt = Field(0, ge=0, le=20)
+    logprob_start_len: StrictInt = -1  # prompt logprobs from this position (-1: none)
     rid: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of text and input_ids")
+            raise reject("text", "give exactly one of text and input_ids")
         return self
 
 
-class AbortRequest(_Body):
+class AbortRequest(Body):
     rid: str

@@ -4,6 +4,7 @@ per-request metrics and the one log line per request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -51,12 +52,28 @@ class ServerState:
 
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
                 sampling: dict[str, Any] | None, check_total: bool = False) -> tuple[list[int], SamplingParams]:
-        """Tokenize and validate one prompt; with ``check_total`` the prompt plus the requested
-        max tokens must fit the context (the OpenAI routes' contract)."""
+        """Tokenize and validate one prompt; with ``check_total`` (the OpenAI routes' contract)
+        the prompt plus the requested max tokens must fit the context, and a request that
+        gives no max tokens may generate up to the context length, as in OpenAI and vLLM."""
         if self.shutting_down:
             raise APIError("the server is shutting down", 503)
-        ids, params = self.tm.prepare(prompt, input_ids, sampling)
         ctx = self.info["context_length"]
+        up_to_context = check_total and not (sampling or {}).get("max_new_tokens")
+        if up_to_context:  # an upper bound until the prompt's length is known
+            sampling = {**(sampling or {}), "max_new_tokens": ctx}
+        ids, params = self.tm.prepare(prompt, input_ids, sampling)
+        if up_to_context:
+            room = ctx - len(ids)
+            if room < 1:
+                raise APIError(
+                    f"this model's context length is {ctx} tokens; the prompt has {len(ids)}",
+                    400, param="messages",
+                )
+            try:
+                params = dataclasses.replace(params, max_new_tokens=room)
+            except ValueError as e:
+                raise APIError(str(e), 400) from e
+            return ids, params
         if check_total and sampling and sampling.get("max_new_tokens") and len(ids) + params.max_new_tokens > ctx:
             raise APIError(
                 f"this model's context length is {ctx} tokens; the request asks for "
@@ -66,13 +83,15 @@ class ServerState:
         return ids, params
 
     async def stream(self, ids: list[int], params: SamplingParams, *, stream: bool,
-                     logprob: bool = False, top_n: int = 0, rid: str | None = None) -> AsyncIterator[dict[str, Any]]:
+                     logprob: bool = False, top_n: int = 0, rid: str | None = None,
+                     logprob_start_len: int = -1) -> AsyncIterator[dict[str, Any]]:
         """The request's pieces, with metrics and the per-request log line."""
         rid = rid or uuid.uuid4().hex
         t0 = time.perf_counter()
         last = None
         ttft = None
-        async for piece in self.tm.generate(ids, params, stream, logprob, top_n, rid=rid):
+        async for piece in self.tm.generate(ids, params, stream, logprob, top_n, rid=rid,
+                                            logprob_start_len=logprob_start_len):
             now = time.perf_counter()
             n = len(piece["output_ids"])
             if n and ttft is None:
@@ -132,4 +151,8 @@ def merge_pieces(pieces: list[dict[str, Any]]) -> dict[str, Any]:
         "logprobs": [lp for p in pieces for lp in (p.get("logprobs") or [])],
         "top_logprobs": [t for p in pieces for t in (p.get("top_logprobs") or [])],
     }
+    first = next((p for p in pieces if "input_logprobs" in p), None)  # sent once
+    if first is not None:
+        out["input_logprobs"] = first["input_logprobs"]
+        out["input_top_logprobs"] = first["input_top_logprobs"]
     return out

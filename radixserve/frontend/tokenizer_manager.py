@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from radixserve import messages as m
 from radixserve.sampling import SamplingParams, draw_seed
-from radixserve.validation import check_input_ids
+from radixserve.validation import check_input_ids, check_logprob_start_len
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,15 @@ class RequestError(RuntimeError):
     def __init__(self, message: str, status: int = 500) -> None:
         super().__init__(message)
         self.status = status
+
+
+class InvalidRequestError(RequestError, ValueError):
+    """The scheduler refused the request as invalid (status 400), e.g. a grammar that does
+    not compile: a ``ValueError`` for Python callers, a 400 for HTTP ones."""
+
+
+def request_error(message: str, status: int) -> RequestError:
+    return InvalidRequestError(message, status) if status == 400 else RequestError(message, status)
 
 
 @dataclass
@@ -95,11 +104,16 @@ class TokenizerManager:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         rid: str | None = None,
+        logprob_start_len: int = -1,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield ``{"text", "output_ids", "meta_info", "finished"}`` pieces (deltas).
 
-        Cancelling the consumer (client gone) aborts the request in the scheduler.
+        With ``return_logprob``, pieces carry ``logprobs`` / ``top_logprobs`` of their output
+        tokens, and with ``logprob_start_len >= 0`` the first one also ``input_logprobs`` /
+        ``input_top_logprobs`` (prompt positions ``[logprob_start_len, prompt_len)``, None at
+        position 0).  Cancelling the consumer (client gone) aborts the request in the scheduler.
         """
+        check_logprob_start_len(logprob_start_len, len(input_ids))
         if self.dead_reason:
             raise RequestError(self.dead_reason, 503)
         rid = rid or uuid.uuid4().hex
@@ -113,6 +127,7 @@ class TokenizerManager:
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             stream=stream,
+            logprob_start_len=logprob_start_len,
         )
         finished = False
         try:
@@ -165,7 +180,7 @@ class TokenizerManager:
             elif isinstance(msg, m.ErrorOut):
                 state = self.states.get(msg.rid)
                 if state is not None:
-                    state.queue.put_nowait(RequestError(msg.message, msg.status))
+                    state.queue.put_nowait(request_error(msg.message, msg.status))
             elif isinstance(msg, m.ControlOut):
                 fut = self.control_waiters.get(msg.cid)
                 if fut is not None and not fut.done():
@@ -194,4 +209,7 @@ class TokenizerManager:
             if msg.logprobs and msg.logprobs[i] is not None:
                 item["logprobs"] = msg.logprobs[i]
                 item["top_logprobs"] = msg.top_logprobs[i] if msg.top_logprobs else None
+            if msg.input_logprobs and msg.input_logprobs[i] is not None:
+                item["input_logprobs"] = msg.input_logprobs[i]
+                item["input_top_logprobs"] = msg.input_top_logprobs[i]
             state.queue.put_nowait(item)

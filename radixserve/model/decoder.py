@@ -138,12 +138,13 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Float32 logits ``[B, vocab]`` of each request's last new token."""
+        """Float32 logits ``[B + E, vocab]``: each request's last new token, then the E extra
+        rows ``fb.extra_logits_indices`` (none unless a request asked for prompt logprobs)."""
         x = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, fb)
-        # Only the rows the sampler reads go through the final norm and the LM head.
+        # Only the rows the sampler (and prompt logprobs) read go through the norm and LM head.
         x = self.model.norm(x.index_select(0, fb.logits_indices))
         return F.linear(x, self.lm_head_weight).float()
 

@@ -42,6 +42,9 @@ class ForwardBatch:
     kv_pool: KVPool
     attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare(self)
+    # [E] int64 token indices in [0, T) whose logits are wanted besides each request's last
+    # new token (prompt logprobs); None when no request asked.
+    extra_logits_indices: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -61,8 +64,12 @@ class ForwardBatch:
 
     @property
     def logits_indices(self) -> torch.Tensor:
-        """Index in ``[0, T)`` of each request's last new token: the rows the LM head reads."""
-        return torch.cumsum(self.extend_lens, dim=0) - 1
+        """The rows the LM head reads, indices in ``[0, T)``: ``[0, B)`` each request's last new
+        token (what the sampler reads), then ``[B, B + E)`` the extra rows."""
+        last = torch.cumsum(self.extend_lens, dim=0) - 1
+        if self.extra_logits_indices is None:
+            return last
+        return torch.cat([last, self.extra_logits_indices])
 
     @classmethod
     def build(
@@ -77,8 +84,13 @@ class ForwardBatch:
         kv_pool: KVPool,
         attn_backend: AttentionBackend,
         device: torch.device | str = "cpu",
+        extra_logits_indices: np.ndarray | None = None,
     ) -> ForwardBatch:
-        """Build from host lists; positions are ``prefix_len + i`` for the i-th new token."""
+        """Build from host lists; positions are ``prefix_len + i`` for the i-th new token.
+
+        ``extra_logits_indices``: token indices whose logits the forward also returns (after
+        the B last-token rows), e.g. for prompt logprobs.
+        """
         prefix_np = np.asarray(prefix_lens, dtype=np.int64)
         extend_np = np.asarray(extend_lens, dtype=np.int64)
         # Token t of request b sits at position prefix_lens[b] + (t - first token index of b).
@@ -101,6 +113,11 @@ class ForwardBatch:
             req_to_token=req_to_token,
             kv_pool=kv_pool,
             attn_backend=attn_backend,
+            extra_logits_indices=(
+                None
+                if extra_logits_indices is None or len(extra_logits_indices) == 0
+                else torch.from_numpy(np.asarray(extra_logits_indices, dtype=np.int64)).to(device)
+            ),
         )
         attn_backend.prepare(fb)
         return fb

@@ -94,6 +94,9 @@ def _check_stop_token_ids(value: Any) -> list[int]:
     return out
 
 
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
@@ -111,6 +114,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits first
+    min_new_tokens: int = 0  # EOS and stop tokens are masked until this many tokens exist
+    # Constrained decoding: at most one of these (see radixserve/grammar).
+    json_schema: str | None = None  # a JSON schema as a JSON string
+    regex: str | None = None
+    ebnf: str | None = None  # xgrammar's GBNF dialect, root rule "root"
+    structural_tag: str | None = None  # xgrammar structural tag as a JSON string
 
     def __post_init__(self) -> None:
         # Normalise types (ints accepted for floats, str for stop) and check ranges.  The
@@ -119,6 +128,14 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
         put("max_new_tokens", _check_int("max_new_tokens", self.max_new_tokens))
+        put("min_new_tokens", _check_int("min_new_tokens", self.min_new_tokens))
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"sampling_params.{name} must be a string, got {type(value).__name__}")
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(given)}")
         for name in (
             "temperature",
             "top_p",
@@ -140,6 +157,10 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(
                 f"sampling_params.max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"sampling_params.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}"
             )
         if self.temperature < 0:
             raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
@@ -197,6 +218,15 @@ class SamplingParams:
             raise ValueError(
                 f"sampling_params.logit_bias token ids {bad} out of range for vocab size {vocab_size}"
             )
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the request's constraint, or None when it has none."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def is_greedy(self) -> bool:

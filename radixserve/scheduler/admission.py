@@ -12,7 +12,9 @@ from radixserve.scheduler.request import Req, ReqState
 
 # A waiting request whose not-yet-cached prefix shares at least this many tokens with a
 # request admitted in the same step waits one step, then reads that prefix from the tree
-# instead of computing it a second time (a burst of calls with one system prompt).
+# instead of computing it a second time (a burst of calls with one system prompt).  A
+# request whose whole prompt is shared that way (n > 1, identical prompts) waits whatever
+# its length; see ``PrefillAdder.shares_uncached_prefix``.
 IN_BATCH_SHARE_THRESHOLD = 32
 # Future decode tokens reserved per request are capped, so one request asking for a huge
 # max_new_tokens does not block admission.
@@ -104,11 +106,25 @@ class PrefillAdder:
         return True
 
     def shares_uncached_prefix(self, req: Req) -> bool:
+        """Whether the request should wait one step to read from the tree what a request
+        admitted in this step is computing now.
+
+        Regions of ``fill_ids``: ``[0, cached)`` in the tree already; ``[cached, shared)``
+        computed this step by an admitted request (``shared``: the common prefix with it,
+        rounded down to a page, as the tree shares whole pages only); ``limit`` =
+        ``kv.match_limit(req)``, the most the request may ever take from the tree.  It waits
+        when it gains whole pages and either the gain is long (a shared system prompt) or
+        ``shared`` reaches ``aligned(limit)``: nothing more could come from the tree (n > 1,
+        identical prompts, whatever their length).
+        """
         if self._in_batch is None:
             return False
+        limit = self.kv.match_limit(req)
         cached = len(self.kv.match(req)[0])
-        common = len(self._in_batch.match_prefix(req.tokens(0, req.fill_len - 1)).slots)
-        return common - cached >= IN_BATCH_SHARE_THRESHOLD
+        common = len(self._in_batch.match_prefix(req.tokens(0, limit)).slots)
+        shared = self.kv.aligned(common)
+        gain = shared - cached
+        return gain > 0 and (gain >= IN_BATCH_SHARE_THRESHOLD or shared == self.kv.aligned(limit))
 
     def add_waiting(self, req: Req) -> str:
         """Try to admit a waiting request: 'admitted', 'deferred' (try the next), or 'stop'."""

@@ -24,7 +24,8 @@ def retract(req: Req, kv: KVManager) -> None:
 def reserve_decode_slots(
     decoding: list[Req], prefilling: list[Req], kv: KVManager
 ) -> tuple[list[Req], list[Req]]:
-    """Make sure every decoding request has a slot for its next token.
+    """Make sure every decoding request has slots for its next tokens: one sampled token,
+    plus any text a grammar forced after it (jump-forward), computed together next step.
 
     When pages run out: evict unlocked tree leaves (LRU); if that is not enough, retract the
     most recently admitted requests (a partially prefilled one first, as it is the newest
@@ -39,7 +40,7 @@ def reserve_decode_slots(
     )
 
     def need() -> int:
-        return sum(kv.new_pages_needed(r, 1) for r in active)
+        return sum(kv.new_pages_needed(r, r.remaining_extend) for r in active)
 
     while need() > kv.available_pages() and candidates:
         victim = candidates.pop()  # newest claim first
@@ -51,12 +52,12 @@ def reserve_decode_slots(
         retracted.append(victim)
     if need() > kv.available_pages():
         for req in active:
-            if kv.new_pages_needed(req, 1):
+            if kv.new_pages_needed(req, req.remaining_extend):
                 logger.warning("request %s cannot grow: KV pool exhausted; finishing it", req.rid)
                 req.finish_reason = FinishReason("length")
                 out_of_memory.append(req)
         active = [r for r in active if r not in out_of_memory]
     for req in active:
-        if not kv.ensure_slots(req, 1):
+        if not kv.ensure_slots(req, req.remaining_extend):
             raise RuntimeError(f"no slot for the next token of {req!r} after reservation")
     return retracted, out_of_memory

@@ -43,9 +43,24 @@ class KVManager:
             self.evicted_tokens += self.tree.evict(n_pages * self.page_size)
 
     # ---- admission ---------------------------------------------------------------------
+    def match_limit(self, req: Req) -> int:
+        """How many leading tokens of ``fill_ids`` the request may take from the tree.
+
+        All but the last (the forward must compute at least one token to sample from).  A
+        request that still owes prompt logprobs stops at the first position whose logits it
+        needs (``PromptLogprobs.next_pos``, i.e. ``logprob_start_len - 1`` before any chunk
+        ran): cached tokens have K/V but no logits, so those are recomputed (SGLang does the
+        same).  The tree rounds the match down to a page boundary.
+        """
+        limit = req.fill_len - 1
+        state = req.prompt_logprobs
+        if state is not None and state.pending:
+            limit = min(limit, state.next_pos)
+        return limit
+
     def match(self, req: Req) -> tuple[np.ndarray, object]:
-        """Longest cached prefix of the request, leaving at least one token to compute."""
-        result = self.tree.match_prefix(req.tokens(0, req.fill_len - 1))
+        """Longest cached prefix of ``fill_ids[:match_limit(req)]`` (page aligned)."""
+        result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)))
         return result.slots, result.node
 
     def admit(self, req: Req) -> bool:

@@ -10,6 +10,7 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
+from radixserve.scheduler import prompt_logprobs
 from radixserve.scheduler.request import Req
 
 
@@ -30,8 +31,11 @@ class ModelRunner:
         self.backend = create_backend(attention_backend)
         self.device = device
 
-    def build_batch(self, entries: list[tuple[Req, int]]) -> ForwardBatch:
-        """Entry ``(req, n)`` computes ``fill_ids[kv_len : kv_len + n]`` of ``req``."""
+    def build_batch(
+        self, entries: list[tuple[Req, int]], extra_logits: np.ndarray | None = None
+    ) -> ForwardBatch:
+        """Entry ``(req, n)`` computes ``fill_ids[kv_len : kv_len + n]`` of ``req``; the forward
+        also returns the logits of the batch tokens ``extra_logits`` (after the last-token rows)."""
         rows = [r.row for r, _ in entries]
         prefix_lens = [r.kv_len for r, _ in entries]
         extend_lens = [n for _, n in entries]
@@ -53,12 +57,24 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.backend,
             device=self.device,
+            extra_logits_indices=extra_logits,
         )
 
     @torch.inference_mode()
     def forward(self, entries: list[tuple[Req, int]]) -> torch.Tensor:
-        """Float32 logits ``[len(entries), vocab]`` at each request's last new token."""
-        return self.model.forward(self.build_batch(entries))
+        """Float32 logits ``[len(entries), vocab]`` at each request's last new token.
+
+        Requests that owe prompt logprobs get them from the same forward: the LM head also
+        reads their prompt rows, and ``prompt_logprobs.record`` stores the result on them.
+        """
+        plan = prompt_logprobs.plan_rows(entries)
+        logits = self.model.forward(self.build_batch(entries, None if plan is None else plan.rows))
+        if plan is None:
+            return logits
+        # Rows [0, B): last new tokens (sampling); [B, B + E): the plan's rows, in plan order.
+        num_entries = len(entries)
+        prompt_logprobs.record(plan, logits[num_entries:])
+        return logits[:num_entries]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:

@@ -113,6 +113,10 @@ def run_scheduler_process(
             continue
         if out is not None:
             send.send(m.encode(out))
+        for err in sched.take_errors():
+            send.send(m.encode(err))
+        if sched.only_compiling:  # wait for a grammar without spinning (or for new input)
+            recv.poll(2)
         if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
             last_gen = _log_stats(sched, time.monotonic() - last_log, last_gen)
             last_log = time.monotonic()

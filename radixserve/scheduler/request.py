@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from radixserve.cache.radix_tree import TreeNode
+    from radixserve.grammar import RequestGrammar
     from radixserve.sampling import SamplingParams
+    from radixserve.scheduler.prompt_logprobs import PromptLogprobs
 
 
 class ReqState(enum.Enum):
@@ -61,6 +65,8 @@ class Req:
         self.seed = seed
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
+        # Set when the request asks for prompt logprobs (scheduler/prompt_logprobs.py).
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.stream = stream
         self.output_ids: list[int] = []
         # prompt + output ids in one growable int64 buffer: tree keys and model inputs are
@@ -85,6 +91,10 @@ class Req:
         self.pending_logprobs: list[float] = []
         self.pending_top_logprobs: list[list[list[float]]] = []
         self.num_retractions = 0
+        # Constrained decoding (scheduler/constraints.py): the grammar's compilation, then
+        # the request's matcher once it is compiled.
+        self.grammar_future: Future | None = None
+        self.grammar: RequestGrammar | None = None
 
     # ---- lengths -----------------------------------------------------------------------
     @property

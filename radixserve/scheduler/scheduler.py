@@ -18,10 +18,12 @@ from radixserve.config import ServerArgs
 from radixserve.messages import ErrorOut, GenerateReq, TokenOut
 from radixserve.sampling import SamplingParams
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
+from radixserve.scheduler.constraints import Constraints
 from radixserve.scheduler.decode import reserve_decode_slots
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.model_runner import ModelRunner
 from radixserve.scheduler.policy import order_waiting
+from radixserve.scheduler.prompt_logprobs import PromptLogprobs, attach_prompt_logprobs
 from radixserve.scheduler.request import FinishReason, Req, ReqState
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker
@@ -77,6 +79,10 @@ class Scheduler:
             model, self.vocab_size, kv_pool, self.req_pool, args.attention_backend, self.device
         )
         self.stop_checker = StopChecker(set(model_config.eos_token_ids), self.context_len, tokenizer)
+        self.constraints = Constraints(
+            args.grammar_backend, tokenizer, self.vocab_size, list(model_config.eos_token_ids),
+            jump_forward=not args.disable_jump_forward,
+        )
 
         self.reqs: dict[str, Req] = {}
         self.waiting: deque[Req] = deque()
@@ -112,6 +118,9 @@ class Scheduler:
             ids = check_input_ids(msg.input_ids, self.vocab_size, self.context_len, self.pool_tokens)
             params = SamplingParams.from_dict(msg.sampling_params)
             params.validate_for_model(self.vocab_size)
+            prompt_lp = PromptLogprobs.for_request(
+                msg.return_logprob, msg.logprob_start_len, len(ids), msg.top_logprobs_num
+            )
         except ValueError as e:
             return ErrorOut(rid=msg.rid, message=str(e), status=400)
         limit = self.args.max_queued_requests
@@ -122,6 +131,11 @@ class Scheduler:
                 status=503,
             )
         req = Req(msg.rid, ids, params, msg.seed, msg.return_logprob, msg.top_logprobs_num, msg.stream)
+        req.prompt_logprobs = prompt_lp
+        try:
+            self.constraints.on_arrival(req)
+        except ValueError as e:
+            return ErrorOut(rid=msg.rid, message=str(e), status=400)
         self.reqs[req.rid] = req
         self.waiting.append(req)
         self.stats.requests_received += 1
@@ -147,6 +161,37 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self._aborted)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing can run until a grammar finishes compiling (the loop may wait a little)."""
+        return (
+            not self.running and self.chunked is None and not self._aborted
+            and all(r.grammar is None and r.grammar_future is not None for r in self.waiting)
+        )
+
+    def take_errors(self) -> list[ErrorOut]:
+        """Requests answered with an error since the last call (a grammar that failed)."""
+        errors, self._errors = self._errors, []
+        return errors
+
+    def _admissible(self) -> list[Req]:
+        """Waiting requests whose grammar (if any) is compiled; a failed one is answered."""
+        ready = []
+        failed = []
+        for req in self.waiting:
+            state = self.constraints.poll(req)
+            if state == "ready":
+                ready.append(req)
+            elif state != "compiling":
+                failed.append(req)
+                self._errors.append(ErrorOut(rid=req.rid, message=state, status=400))
+        for req in failed:
+            self.waiting.remove(req)
+            req.finish_reason = FinishReason("abort")
+            req.state = ReqState.FINISHED
+            self.reqs.pop(req.rid, None)
+        return ready
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> TokenOut | None:
@@ -175,7 +220,8 @@ class Scheduler:
 
         decodes = list(self.running)
         plan = self._plan_prefill(len(decodes))
-        entries = [(r, 1) for r in decodes] + plan
+        # A decode computes its sampled token, plus the text a grammar forced after it.
+        entries = [(r, r.remaining_extend) for r in decodes] + plan
         if entries:
             self._run_forward(entries, len(plan) > 0, finished)
             if decodes:
@@ -204,7 +250,7 @@ class Scheduler:
             if not adder.add_chunked(self.chunked) or adder.chunked is not None:
                 return adder.plan.entries
         admitted: set[int] = set()
-        for req in order_waiting(list(self.waiting), self.args.schedule_policy, self.kv):
+        for req in order_waiting(self._admissible(), self.args.schedule_policy, self.kv):
             verdict = adder.add_waiting(req)
             if verdict == "stop":
                 break
@@ -229,7 +275,11 @@ class Scheduler:
         # Rows that sample: decodes, and prefills whose whole prompt is now computed.
         sample_idx = [i for i, (r, _) in enumerate(entries) if r.kv_len == r.fill_len]
         sample_reqs = [entries[i][0] for i in sample_idx]
-        out = self.runner.sample(logits[sample_idx], sample_reqs) if sample_reqs else None
+        out = None
+        if sample_reqs:
+            sample_logits = logits[sample_idx]  # a copy: masked in place
+            self.constraints.mask_logits(sample_logits, sample_reqs)
+            out = self.runner.sample(sample_logits, sample_reqs)
         self._last_forward_s = time.perf_counter() - t0
 
         num_decode = sum(1 for r, n in entries if r.state == ReqState.RUNNING)
@@ -252,6 +302,8 @@ class Scheduler:
                         [[t, lp] for t, lp in out.top_logprobs[j]] if out.top_logprobs else []
                     )
                 req.finish_reason = self.stop_checker.check(req)
+                if req.grammar is not None and req.finish_reason is None:
+                    self._advance_grammar(req)
 
         sampled = {id(r) for r in sample_reqs}
         for req, _ in entries:
@@ -271,6 +323,27 @@ class Scheduler:
             elif req.finished:
                 self.running.remove(req)
                 self._finish(req, finished)
+
+    def _advance_grammar(self, req: Req) -> None:
+        """Accept the sampled token; finish when the grammar is done, else append the text it
+        forces (computed by the next forward as part of this request's decode entry)."""
+        reason, forced = self.constraints.after_token(req)
+        if reason is not None:
+            req.finish_reason = reason
+            return
+        room = min(req.params.max_new_tokens - req.output_len, self.context_len - req.fill_len - 1)
+        forced = forced[: max(0, room)]
+        # A stop token id inside the forced text ends the output there, as it would have if
+        # the model had been made to sample it (the stop checker looks at the newest token).
+        stop_at = [i for i, t in enumerate(forced) if t in req.params.stop_token_ids]
+        if stop_at:
+            forced = forced[: stop_at[0] + 1]
+        if not forced:
+            return
+        for t in forced:
+            req.append_output(t)
+        self.constraints.accept_forced(req, forced)
+        req.finish_reason = self.stop_checker.check(req, new_tokens=len(forced))
 
     def _drop_from_lists(self, req: Req) -> None:
         if self.chunked is req:
@@ -321,6 +394,7 @@ class Scheduler:
                 )
             out.logprobs.append(req.pending_logprobs if req.return_logprob else None)
             out.top_logprobs.append(req.pending_top_logprobs if req.return_logprob else None)
+            attach_prompt_logprobs(out, req)
             req.pending_logprobs, req.pending_top_logprobs = [], []
             if req.finished:
                 self.reqs.pop(req.rid, None)
@@ -353,4 +427,5 @@ class Scheduler:
             evictable_tokens=self.tree.evictable_size(),
             new_token_ratio=self.new_token_ratio,
         )
+        d.update(self.constraints.stats())
         return d

@@ -13,8 +13,12 @@ class StopChecker:
         self.context_len = context_len
         self.tokenizer = tokenizer  # only needed for stop strings
 
-    def check(self, req: Req) -> FinishReason | None:
-        """Why ``req`` must stop after its newest token, or None to keep going."""
+    def check(self, req: Req, new_tokens: int = 1) -> FinishReason | None:
+        """Why ``req`` must stop after its newest ``new_tokens`` tokens, or None to go on.
+
+        Several new tokens come from jump-forward (grammar-forced text); they never hold
+        EOS, so only the newest is checked for stop token ids.
+        """
         token = req.output_ids[-1]
         params = req.params
         if not params.ignore_eos and token in self.eos_token_ids:
@@ -22,7 +26,7 @@ class StopChecker:
         if token in params.stop_token_ids:
             return FinishReason("stop", token)
         if params.stop and self.tokenizer is not None:
-            matched = self._match_stop_string(req)
+            matched = self._match_stop_string(req, new_tokens)
             if matched is not None:
                 return FinishReason("stop", matched)
         if req.output_len >= params.max_new_tokens:
@@ -31,10 +35,10 @@ class StopChecker:
             return FinishReason("length")
         return None
 
-    def _match_stop_string(self, req: Req) -> str | None:
-        # A stop string completed by the newest token lies in the last len(s) characters; a
-        # few extra tokens of context cover tokens that decode to partial characters.
-        window = max(len(s) for s in req.params.stop) + 4
+    def _match_stop_string(self, req: Req, new_tokens: int = 1) -> str | None:
+        # A stop string completed by the newest tokens lies in their text plus len(s) more
+        # characters; a few extra tokens cover tokens that decode to partial characters.
+        window = max(len(s) for s in req.params.stop) + 3 + new_tokens
         tail = self.tokenizer.decode(
             req.output_ids[-window:], skip_special_tokens=req.params.skip_special_tokens
         )

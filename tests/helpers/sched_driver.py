@@ -21,17 +21,22 @@ def make_scheduler(folder: str, tokenizer: Any = None, **settings: Any) -> Sched
     return Scheduler(args, loaded.model, loaded.config, tokenizer)
 
 
-def submit(sched: Scheduler, prompt: list[int], **params: Any) -> str:
+def submit(sched: Scheduler, prompt: list[int], req_fields: dict[str, Any] | None = None, **params: Any) -> str:
+    """Add a request with sampling ``params`` (greedy unless they say otherwise) and any other
+    :class:`GenerateReq` fields in ``req_fields``; returns its rid."""
     rid = f"r{next(_rid)}"
     params.setdefault("temperature", 0.0)
-    err = sched.add_request(GenerateReq(rid=rid, input_ids=prompt, sampling_params=params, seed=0))
+    err = sched.add_request(GenerateReq(rid=rid, input_ids=prompt, sampling_params=params, seed=0,
+                                        **(req_fields or {})))
     if err is not None:
         raise ValueError(err.message)
     return rid
 
 
 def run_until_idle(sched: Scheduler, max_steps: int = 10_000, on_step: Any = None) -> dict[str, dict[str, Any]]:
-    """Step until no work is left; returns per request ``output_ids``, ``finished``, ``meta``.
+    """Step until no work is left; returns per request ``output_ids``, ``finished``, ``meta``,
+    and its prompt logprobs: ``input``, ``input_top`` and ``deliveries`` (how many outputs
+    carried them).
 
     The KV invariant (free + tree + requests == all pages) is checked after every step, and
     with "no lock left" once idle.
@@ -44,10 +49,14 @@ def run_until_idle(sched: Scheduler, max_steps: int = 10_000, on_step: Any = Non
         sched.check_memory()
         if out is not None:
             for i, rid in enumerate(out.rids):
-                r = results.setdefault(rid, {"output_ids": [], "finished": None, "meta": None})
+                r = results.setdefault(rid, {"output_ids": [], "finished": None, "meta": None,
+                                             "input": None, "input_top": None, "deliveries": 0})
                 r["output_ids"].extend(out.new_ids[i])
                 r["finished"] = out.finished[i]
                 r["meta"] = out.meta[i]
+                if out.input_logprobs[i] is not None:
+                    r["deliveries"] += 1
+                    r["input"], r["input_top"] = out.input_logprobs[i], out.input_top_logprobs[i]
         if on_step is not None:
             on_step(step, sched)
     else:

@@ -1,7 +1,13 @@
-"""Start a real `radixserve serve` process on a free port, for end-to-end tests."""
+"""Start a real `radixserve serve` process on a free port, for end-to-end tests.
+
+A test module serving the tiny chat model writes ``server = tiny_chat_server(*flags)`` for its
+module-scoped ``server`` fixture, and ``memory_invariant = memory_checked_after_each_test("server")``
+to check the KV memory invariant after each test that used it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -11,8 +17,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import httpx
+import openai
 import psutil
+import pytest
 
 
 def free_port() -> int:
@@ -86,3 +97,66 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving(model: str, *flags: str) -> Iterator[ServerProcess]:
+    """A ready server for ``model``, served as "tiny"; it must exit with code 0 when stopped."""
+    srv = ServerProcess("--model", model, "--served-model-name", "tiny", *flags).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def tiny_chat_server(*flags: str) -> Callable[..., Any]:
+    """A module-scoped fixture: :func:`serving` the ``tiny_chat_model`` with ``flags``.
+
+    Pytest names the fixture after the module attribute it is assigned to.
+    """
+
+    @pytest.fixture(scope="module")
+    def server(tiny_chat_model: str) -> Iterator[ServerProcess]:
+        with serving(tiny_chat_model, *flags) as srv:
+            yield srv
+
+    return server
+
+
+def openai_client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def server_info(server: ServerProcess) -> dict[str, Any]:
+    return httpx.get(server.base_url + "/server_info", timeout=30).json()
+
+
+def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, Any]:
+    """``/server_info`` once nothing is running or waiting; AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server_info(server)
+        if info["stats"]["running"] == 0 and info["stats"]["waiting"] == 0:
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle: {info['stats']}")
+        time.sleep(0.2)
+
+
+def check_memory_idle(server: ServerProcess) -> None:
+    """Once the server is idle, its memory invariant holds, no lock is left and no request holds pages."""
+    info = wait_idle(server)
+    assert info["memory"]["ok"], info["memory"]
+    assert info["memory"]["locked_tokens"] == 0 and info["memory"]["request_pages"] == 0
+
+
+def memory_checked_after_each_test(*server_fixtures: str) -> Callable[..., Any]:
+    """An autouse fixture: after each test that used one of the named server fixtures, that
+    server, once idle, passes :func:`check_memory_idle`."""
+
+    @pytest.fixture(autouse=True)
+    def memory_invariant(request: pytest.FixtureRequest) -> Iterator[None]:
+        yield
+        for name in server_fixtures:
+            if name in request.fixturenames:
+                check_memory_idle(request.getfixturevalue(name))
+
+    return memory_invariant

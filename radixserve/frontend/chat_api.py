@@ -1,0 +1,284 @@
+"""/v1/chat/completions: the chat template, tool calls and reasoning, streamed or not.
+
+A request goes: validate the tool fields (``parsers.plan_tools``) -> render the messages with
+the chat template (natively, or in radixserve's prompted tool format) -> add the grammar that
+enforces ``tool_choice`` -> generate ``n`` choices -> parse each choice's output on its own
+into ``reasoning_content``, ``content`` and ``tool_calls`` (incrementally when streaming).
+
+The route is registered on ``openai_api.router``, which imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import ORJSONResponse
+
+from radixserve.frontend.errors import APIError
+from radixserve.frontend.openai_api import (
+    _choice_params,
+    _fan_in,
+    _finish,
+    _sse,
+    _start_stream,
+    _state,
+    _token_str,
+    _usage,
+    router,
+)
+from radixserve.frontend.parsers import (
+    ParsedMessage,
+    ParseSpec,
+    ToolCallStart,
+    ToolFormat,
+    ToolPlan,
+    ToolRequestError,
+    detect_tool_parser,
+    native_messages,
+    openai_deltas,
+    plan_tools,
+    prompt_opens_reasoning,
+    prompted_messages,
+    tool_call_grammar,
+    tool_format,
+)
+from radixserve.frontend.protocol import ChatCompletionRequest
+from radixserve.frontend.serving import ServerState, collect, merge_pieces
+
+_ROLES = {"developer": "system", "function": "tool"}
+
+
+@functools.lru_cache(maxsize=8)
+def _detected_parser(tokenizer: Any) -> str:
+    return detect_tool_parser(tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _is_single_token(tokenizer: Any, text: str) -> bool:
+    return text in tokenizer.get_vocab()
+
+
+def _tool_parser(st: ServerState) -> str:
+    name = st.args.tool_call_parser
+    return _detected_parser(st.tokenizer) if name == "auto" else name
+
+
+def _template_kwargs(st: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+    """``chat_template_kwargs``: extra template variables; apply_chat_template's own
+    parameters (tools, tokenize, ...) are set by the server and refused here."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    own = set(inspect.signature(st.tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    clash = sorted(own & set(kwargs))
+    if clash:
+        raise APIError(f"chat_template_kwargs may not set {clash}: the server sets them",
+                       400, param="chat_template_kwargs")
+    return kwargs
+
+
+def _render_chat(st: ServerState, body: ChatCompletionRequest, plan: ToolPlan, parser: str,
+                 kwargs: dict[str, Any]) -> str:
+    msgs = []
+    for m in body.messages:
+        d: dict[str, Any] = {"role": _ROLES.get(m.role, m.role), "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        msgs.append(d)
+    tok = st.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise APIError("this model has no chat template; use /v1/completions", 400, param="messages")
+    if parser == "prompted":
+        msgs, tools = prompted_messages(msgs, plan.offered), None
+    else:
+        msgs, tools = native_messages(msgs), plan.offered or None
+    try:
+        return tok.apply_chat_template(
+            msgs,
+            tools=tools,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as e:  # template errors (jinja) are the request's fault
+        raise APIError(f"cannot apply the chat template to these messages: {e}", 400, param="messages") from e
+
+
+def _grammar_reasoning(st: ServerState, prompt: str, thinking: bool) -> str | None:
+    """What a tool grammar must allow before the calls (see parsers.tool_grammar)."""
+    parser = st.args.reasoning_parser
+    if parser == "deepseek-r1":
+        return "required"
+    if parser == "qwen3" and thinking:
+        return "required" if prompt_opens_reasoning(prompt) else "optional"
+    return None
+
+
+def _sampling(st: ServerState, body: ChatCompletionRequest, plan: ToolPlan, fmt: ToolFormat,
+              prompt: str, thinking: bool) -> dict[str, Any]:
+    sampling = body.sampling_dict(body.max_new_tokens)
+    marker_token = fmt.marker_is_special and _is_single_token(st.tokenizer, fmt.start)
+    try:
+        grammar = tool_call_grammar(plan, fmt, reasoning=_grammar_reasoning(st, prompt, thinking),
+                                    marker_token=marker_token)
+    except ValueError as e:
+        raise APIError(str(e), 400, param="tools") from e
+    if grammar:
+        given = body.grammar_fields()
+        if given:
+            raise APIError(
+                f"tool_choice {plan.choice!r} is enforced by a grammar and cannot be combined with "
+                f"another constraint ({', '.join(given)}); use tool_choice 'auto'", 400, param="tool_choice")
+        sampling.update(grammar)
+    if plan.parses and fmt.marker_is_special and body.skip_special_tokens is None:
+        sampling["skip_special_tokens"] = False  # the parser must see the marker token
+    return sampling
+
+
+def _chat_logprobs(st: ServerState, ids: list[int], lps: list[float], tops: list[Any]) -> dict[str, Any]:
+    content = []
+    for j, (tok, lp) in enumerate(zip(ids, lps, strict=False)):
+        s = _token_str(st, tok)
+        alts = tops[j] if j < len(tops) and tops[j] else []
+        content.append({
+            "token": s, "logprob": lp, "bytes": list(s.encode()),
+            "top_logprobs": [
+                {"token": (a := _token_str(st, int(t))), "logprob": v, "bytes": list(a.encode())}
+                for t, v in alts
+            ],
+        })
+    return {"content": content}
+
+
+def _message(spec: ParseSpec, text: str) -> tuple[dict[str, Any], bool]:
+    """The assistant message for one choice's output, and whether it holds tool calls."""
+    if not spec.active:
+        return {"role": "assistant", "content": text}, False
+    parsed: ParsedMessage = spec.new_parser().parse(text)
+    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if spec.reasoning_parser:
+        msg["reasoning_content"] = parsed.reasoning_content
+    if parsed.tool_calls:
+        msg["tool_calls"] = [{"id": cid, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for cid, c in parsed.tool_calls]
+    elif msg["content"] is None:
+        msg["content"] = ""
+    return msg, bool(parsed.tool_calls)
+
+
+def _finish_reason(meta: dict[str, Any], has_calls: bool) -> str | None:
+    reason = _finish(meta)
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    st = _state(request)
+    st.check_model(body.model)
+    try:
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ToolRequestError as e:
+        raise APIError(str(e), 400, param=e.param) from e
+    parser = _tool_parser(st)
+    fmt = tool_format(parser)
+    kwargs = _template_kwargs(st, body)
+    prompt = _render_chat(st, body, plan, parser, kwargs)
+    thinking = kwargs.get("enable_thinking") is not False
+    spec = ParseSpec(
+        tool_format=fmt if plan.parses else None,
+        tool_names=frozenset(plan.names) if plan.parses else None,
+        max_calls=None if plan.parallel else 1,
+        reasoning_parser=st.args.reasoning_parser if body.separate_reasoning else None,
+        prompt_opened=prompt_opens_reasoning(prompt),
+        thinking=thinking,
+    )
+    sampling = _sampling(st, body, plan, fmt, prompt, thinking)
+    ids, params = st.prepare(prompt, None, sampling, check_total=True)
+    top_n = body.top_logprobs or 0
+    choice_params = _choice_params(params, body.n)
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
+
+    def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
+        return [st.stream(ids, p, stream=stream, logprob=body.logprobs, top_n=top_n) for p in choice_params]
+
+    if not body.stream:
+        results = await asyncio.gather(*[collect(s, request) for s in streams(False)])
+        merged = [merge_pieces(r) for r in results]
+        choices = []
+        for i, r in enumerate(merged):
+            msg, has_calls = _message(spec, r["text"])
+            choices.append({
+                "index": i, "message": msg,
+                "logprobs": _chat_logprobs(st, r["output_ids"], r["logprobs"], r["top_logprobs"]) if body.logprobs else None,
+                "finish_reason": _finish_reason(r["meta_info"], has_calls),
+            })
+        usage = _usage(len(ids), sum(r["meta_info"]["completion_tokens"] for r in merged),
+                       merged[0]["meta_info"]["cached_tokens"])
+        return ORJSONResponse({"id": cid, "object": "chat.completion", "created": created,
+                               "model": model, "choices": choices, "usage": usage})
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": choices}
+        if include_usage:
+            obj["usage"] = usage
+        return _sse(obj)
+
+    async def gen() -> AsyncIterator[bytes]:
+        n = len(choice_params)
+        parsers = [spec.new_parser() for _ in range(n)]
+        has_calls = [False] * n
+        # Per choice, the logprobs of tokens whose text the parser still holds back: they
+        # ride on the next chunk that carries a delta.
+        held: list[tuple[list[int], list[float], list[Any]]] = [([], [], []) for _ in range(n)]
+        started = set()
+        completion, cached = 0, 0
+        async for i, piece in _fan_in(streams(True)):
+            if i not in started:
+                started.add(i)
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            meta, finished = piece["meta_info"], piece["finished"]
+            if spec.active:
+                pieces = parsers[i].feed(piece["text"]) + (parsers[i].finish() if finished else [])
+                has_calls[i] |= any(isinstance(p, ToolCallStart) for p in pieces)
+                deltas = openai_deltas(pieces)
+            else:
+                deltas = [{"content": piece["text"]}] if piece["text"] else []
+            if body.logprobs:
+                h = held[i]
+                h[0].extend(piece["output_ids"])
+                h[1].extend(piece.get("logprobs") or [])
+                h[2].extend(piece.get("top_logprobs") or [])
+            if finished and not deltas:
+                deltas = [{}]
+            for k, delta in enumerate(deltas):
+                lp = None
+                if body.logprobs and k == 0:
+                    lp = _chat_logprobs(st, *held[i])
+                    held[i] = ([], [], [])
+                last = finished and k == len(deltas) - 1
+                yield chunk([{"index": i, "delta": delta, "logprobs": lp,
+                              "finish_reason": _finish_reason(meta, has_calls[i]) if last else None}])
+            if finished:
+                completion += meta["completion_tokens"]
+                if i == 0:
+                    cached = meta["cached_tokens"]
+        if include_usage:
+            yield chunk([], _usage(len(ids), completion, cached))
+        yield b"data: [DONE]\n\n"
+
+    return await _start_stream(gen())

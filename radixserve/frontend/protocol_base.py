@@ -1,0 +1,100 @@
+"""What every request body shares: the base model, the field groups, and errors naming a field.
+
+OpenAI's fields fall in three groups:
+
+- implemented: they change what radixserve generates or returns;
+- ``IGNORED_FIELDS``: accepted, type-checked and ignored, because ignoring them cannot
+  change an answer a client relies on;
+- ``UNSUPPORTED``: their only meaning is something radixserve does not do (audio, images,
+  web search, ...).  Leaving them unset or null is fine; asking for that meaning is a 400
+  naming the field.
+
+A field nobody defines is a 400 naming it (``extra="forbid"`` on :class:`Body`), and an
+explicit ``null`` means "not given" for every optional field (OpenAI's own schema marks them
+nullable, and some clients send nulls).  Checks that span several fields raise ``reject``,
+whose ``param`` the error handler (``errors.py``) appends to the error's location.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
+
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for schema and function names
+
+# Accepted, type-checked, ignored: field -> why ignoring it is harmless (cited by the README).
+IGNORED_FIELDS: dict[str, str] = {
+    "store": "nothing is stored for later retrieval",
+    "metadata": "only meaningful for stored completions",
+    "service_tier": "every request is served the same way",
+    "user": "an end-user id for OpenAI's abuse monitoring",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
+    "prompt_cache_key": "the radix tree reuses every shared prefix without a key",
+    "prompt_cache_retention": "cached prefixes stay until memory pressure evicts them (LRU)",
+    "prompt_cache_options": "cached prefixes stay until memory pressure evicts them (LRU)",
+    "messages[].content[].prompt_cache_breakpoint": "every prefix is cached, not only marked ones",
+    "verbosity": "a hint for OpenAI's models; the model here is sampled as is",
+    "reasoning_effort": "a hint for OpenAI's reasoning models (use chat_template_kwargs to "
+    "switch a template's thinking mode)",
+    "prediction": "a latency hint (predicted outputs); the output is the same without it",
+    "stream_options.include_obfuscation": "stream chunks carry no padding",
+    "response_format.json_schema.strict": "the schema is always enforced in full",
+    "response_format.json_schema.description": "not shown to the model",
+}
+
+# Refused with a 400 when the request asks for them: field -> the meaning radixserve lacks.
+UNSUPPORTED: dict[str, str] = {
+    "audio": "audio output",
+    "modalities": "the 'audio' output modality (['text'] is accepted)",
+    "web_search_options": "web search",
+    "moderation": "moderation of the input and output",
+    "messages[].content[]": "image_url, input_audio, file (and video_url, audio_url) parts: "
+    "radixserve serves text-only models",
+    "messages[].audio": "a reference to an earlier audio answer",
+    "tools[].type": "tool types other than 'function' (custom tools)",
+    "suffix": "a non-empty suffix (insertion)",
+    "best_of": "best_of > n (server-side candidates ranked by log probability)",
+}
+
+
+def reject(param: str, message: str) -> PydanticCustomError:
+    """A validation error whose ``param`` (a path below where it is raised: ``"audio"``,
+    ``"[2].type"`` or ``""``) the HTTP error handler reports.  The message names the field too."""
+    return PydanticCustomError("invalid_request", "{message}", {"param": param, "message": message})
+
+
+def unsupported(where: str, key: str | None = None, param: str | None = None) -> PydanticCustomError:
+    """Refuse the field at ``where`` (its full path; ``param`` as in ``check_json_schema``)
+    for asking for ``UNSUPPORTED[key or where]``."""
+    return reject(where if param is None else param,
+                  f"'{where}' asks for {UNSUPPORTED[key or where]}, which radixserve does not support")
+
+
+def check_json_schema(where: str, schema: Any, param: str | None = None) -> None:
+    """Raise ``reject`` unless ``schema`` is a valid JSON schema object.  ``where`` is the
+    field's full path, for the message; ``param`` its path below the validator (default
+    ``where``, right for checks on a whole request)."""
+    param = where if param is None else param
+    if not isinstance(schema, dict):
+        raise reject(param, f"{where} must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise reject(param, f"{where} is not a valid JSON schema: {e.message}") from e
+
+
+# The base of every body and nested object: unknown fields are refused, a null optional
+# field takes its default.
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {f.alias or name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}

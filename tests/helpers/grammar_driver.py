@@ -1,0 +1,77 @@
+"""Drive an in-process Scheduler for grammar tests: errors (ErrorOut) are collected with the
+outputs, and while only grammars are compiling the loop waits for one instead of spinning."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from radixserve.messages import ErrorOut, GenerateReq
+
+_rid = itertools.count()
+
+
+def add(sched: Any, prompt: list[int], seed: int = 0, **params: Any) -> tuple[str, ErrorOut | None]:
+    rid = f"g{next(_rid)}"
+    params.setdefault("temperature", 0.0)
+    return rid, sched.add_request(GenerateReq(rid=rid, input_ids=prompt, sampling_params=params, seed=seed))
+
+
+def submit(sched: Any, prompt: list[int], seed: int = 0, **params: Any) -> str:
+    rid, err = add(sched, prompt, seed, **params)
+    assert err is None, err.message
+    return rid
+
+
+def drive(sched: Any, on_step: Any = None, max_steps: int = 20_000) -> dict[str, dict[str, Any]]:
+    """Step until idle: per request ``output_ids``, ``finished``, ``meta`` (or ``error``, an
+    ErrorOut).  The KV invariant is checked after every step, and "no lock left" at the end.
+    While only grammars are compiling, waits for one to finish instead of spinning."""
+    results: dict[str, dict[str, Any]] = {}
+    for step in range(max_steps):
+        if not sched.has_work:
+            break
+        if sched.only_compiling:
+            futures = [r.grammar_future for r in sched.waiting]
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+        out = sched.step()
+        sched.check_memory()
+        for err in sched.take_errors():
+            assert err.rid not in results, f"{err.rid} answered twice"
+            results[err.rid] = {"error": err}
+        if out is not None:
+            for i, rid in enumerate(out.rids):
+                r = results.setdefault(rid, {"output_ids": [], "finished": None, "meta": None})
+                assert "error" not in r and r["finished"] is None, f"{rid} answered after its end"
+                r["output_ids"].extend(out.new_ids[i])
+                r["finished"] = out.finished[i]
+                r["meta"] = out.meta[i]
+        if on_step is not None:
+            on_step(step, sched)
+    else:
+        raise RuntimeError("scheduler did not become idle")
+    report = sched.check_memory()
+    assert report["locked_tokens"] == 0 and report["request_pages"] == 0, report
+    return results
+
+
+def text_of(tok: Any, result: dict[str, Any]) -> str:
+    return tok.decode(result["output_ids"], skip_special_tokens=True)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run torch on one thread: on a shared 2-core machine two OpenMP threads spin-wait for
+    each other whenever another process holds a core (a 10x slowdown measured with the
+    default model); one thread keeps the run time steady.  Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
