@@ -45,6 +45,8 @@ class Constraints:
         self._compiler: Any = None
         self._bitmask: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        if backend != "none" and tokenizer is not None:
+            self.compiler  # noqa: B018 - set up at start, its token tables in the background
         # Counters reported in the scheduler's stats.
         self.jump_forward_tokens = 0
         self.mask_seconds = 0.0
