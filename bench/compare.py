@@ -17,7 +17,6 @@ Flags not listed below are ``bench/serving.py``'s (workload, sizes, traffic, req
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -35,7 +34,7 @@ if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
 from bench import serving  # noqa: E402
-from bench.offline import machine_info  # noqa: E402
+from bench.common import machine_info, target_lines, write_json  # noqa: E402
 
 POLICIES = ("lpm", "fcfs")
 TARGET_HIT_RATE = 0.85  # shared-prefix, radix on
@@ -195,13 +194,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def target_lines(checks: list[dict[str, Any]]) -> list[str]:
-    lines = []
-    for c in checks:
-        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["ok"]]
-        value = "-" if c["value"] is None else f"{c['value']:.3f}"
-        lines.append(f"target {verdict} [{c['run']}] {c['target']} {c['limit']:g}: {value}")
-    return lines
+def run_target_lines(checks: list[dict[str, Any]]) -> list[str]:
+    return target_lines(checks, scope="run", value_format=".3f")
 
 
 def plot_matrix(rows: list[dict[str, Any]], title: str, path: Path) -> None:
@@ -315,7 +309,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     print()
     print(f"workload: {shape}; {first['arrivals']}")
     print(table)
-    for line in target_lines(checks):
+    for line in run_target_lines(checks):
         print(line)
     machine = machine_info()
     report = {
@@ -329,13 +323,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         "runs": rows,
     }
     out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, out)
     md = out.with_suffix(".md")
     cpu = f"{machine['cpus_usable'] or machine['cpu_count']} CPUs, {machine['processor'] or machine['machine']}"
     md.write_text(f"Workload: {shape}; {first['arrivals']}. Machine: {cpu}, torch {machine['torch']}"
                   f"{', GPU ' + machine['gpu'] if machine.get('gpu') else ''}.\n\n{table}\n\n"
-                  + "".join(f"- {line}\n" for line in target_lines(checks)))
+                  + "".join(f"- {line}\n" for line in run_target_lines(checks)))
     written = [out, md]
     if not args.no_plot:
         png = out.with_suffix(".png")

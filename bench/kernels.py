@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -368,6 +367,8 @@ def main() -> int:
         sys.path.insert(0, str(REPO))
     import triton
 
+    from bench.common import write_report
+
     device = torch.device("cuda" if on_gpu and not args.interpret_smoke else "cpu")
     smoke = args.interpret_smoke
     timer = make_timer(device.type == "cuda")
@@ -428,9 +429,7 @@ def main() -> int:
     }
     slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"kernels-{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, out)
     return 0
 
 

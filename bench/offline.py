@@ -23,9 +23,6 @@ prompts, 32 output tokens) measures the scheduler overhead per step at 64 runnin
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,6 +32,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
+from bench.common import (  # noqa: E402
+    align_columns,
+    args_params,
+    machine_info,
+    target,
+    target_lines,
+    write_report,
+)
 from bench.workloads import (  # noqa: E402
     SharedPrefixWorkload,
     shared_prefix_workload,
@@ -238,13 +243,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             str(r["prefill_computed"]), str(r["unique_tokens"]),
             f"{r['computed_over_unique']:.2f}", f"{r['hit_rate']:.1%}", speedup,
         ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-
-    def fmt(line: tuple[str, ...]) -> str:
-        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
-        return "  ".join(cells)
-
-    return "\n".join(fmt(line) for line in lines)
+    return align_columns(lines, left=(0, 1))
 
 
 def overhead_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -280,11 +279,6 @@ def agreement_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def _target(dtype: str, name: str, value: float | None, limit: float, at_least: bool) -> dict[str, Any]:
-    ok = None if value is None else (value >= limit if at_least else value <= limit)
-    return {"dtype": dtype, "target": name, "value": value, "limit": limit, "ok": ok}
-
-
 def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per target and dtype: value, limit, ok (None when not measured)."""
     checks = []
@@ -293,49 +287,19 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         radix = by.get(("radix", dtype))
         if radix is None:
             continue
-        checks.append(_target(dtype, "radix computed/unique <=", radix["computed_over_unique"],
-                              TARGET_COMPUTED_OVER_UNIQUE, at_least=False))
+        checks.append(target(dtype, "radix computed/unique <=", radix["computed_over_unique"],
+                             TARGET_COMPUTED_OVER_UNIQUE, at_least=False))
         for other, limit in (("no-radix", TARGET_SPEEDUP_VS_NO_RADIX), ("hf-static", TARGET_SPEEDUP_VS_HF)):
             row = by.get((other, dtype))
             speedup = row["speedup_of_radix"] if row else None
-            checks.append(_target(dtype, f"{other} wall / radix wall >=", speedup, limit, at_least=True))
-        checks.append(_target(dtype, "radix hit rate >=", radix["hit_rate"], TARGET_HIT_RATE, at_least=True))
+            checks.append(target(dtype, f"{other} wall / radix wall >=", speedup, limit, at_least=True))
+        checks.append(target(dtype, "radix hit rate >=", radix["hit_rate"], TARGET_HIT_RATE, at_least=True))
         check = radix.get("overhead_check") or {}
         bucket = check.get("bucket", "64")
         value = check.get("overhead_ms_at_bucket", radix["stats"]["overhead_ms_by_batch"].get("64"))
-        checks.append(_target(dtype, f"scheduler overhead ms at batch {bucket} <=", value,
-                              TARGET_OVERHEAD_MS, at_least=False))
+        checks.append(target(dtype, f"scheduler overhead ms at batch {bucket} <=", value,
+                             TARGET_OVERHEAD_MS, at_least=False))
     return checks
-
-
-def target_lines(checks: list[dict[str, Any]]) -> list[str]:
-    lines = []
-    for c in checks:
-        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["ok"]]
-        value = "-" if c["value"] is None else f"{c['value']:.3g}"
-        lines.append(f"target {verdict} [{c['dtype']}] {c['target']} {c['limit']:g}: {value}")
-    return lines
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-    import transformers
-
-    info = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
-        "cuda": torch.cuda.is_available(),
-    }
-    if info["cuda"]:
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 # ---- command line --------------------------------------------------------------------------
@@ -415,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(line)
     report = {
         "benchmark": "offline_shared_prefix",
-        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "params": args_params(args),
         "machine": machine_info(),
         "workload": {
             "requests": work.num_requests,
@@ -432,9 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "targets": checks,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

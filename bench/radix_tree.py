@@ -21,7 +21,6 @@ comparisons cannot take Python's same-object shortcut.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -34,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
+from bench.common import align_columns, write_report  # noqa: E402
 from radixserve.cache.radix_tree import RadixCache  # noqa: E402
 
 OPS = ("match", "insert", "evict")
@@ -173,10 +173,7 @@ def format_table(rows: list[dict]) -> str:
                     f"{row['hit_rate']:.3f}",
                 )
             )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in lines
-    )
+    return align_columns(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -239,9 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": platform.machine(),
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
+from bench.common import write_report  # noqa: E402
 from bench.serving_report import (  # noqa: E402
     arrival_text,
     format_report,
@@ -512,9 +513,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     report, results = run_benchmark(args, jobs, workload, tokenizer)
     print(format_report(report))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_report(report, args.out)
     png = plot_path(args)
     if png:
         plot_latencies(results, f"{workload_text(workload)}; {report['traffic']}", png)

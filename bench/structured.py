@@ -40,7 +40,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
-from bench.offline import machine_info  # noqa: E402
+from bench.common import (  # noqa: E402
+    align_columns,
+    args_params,
+    machine_info,
+    target,
+    target_lines,
+    write_report,
+)
 from bench.structured_workload import (  # noqa: E402
     TICKET_SCHEMA,
     chat_prompts,
@@ -271,12 +278,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['output_tok_per_s']:.1f}", ratio, str(r["forward_steps"]),
             str(r["jump_forward_tokens"]), f"{r['mask_ms_per_step']:.3f}", valid,
         ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(c.ljust(w) if i < 2 or i == len(header) - 1 else c.rjust(w)
-                  for i, (c, w) in enumerate(zip(line, widths, strict=True)))
-        for line in lines
-    )
+    return align_columns(lines, left=(0, 1, len(header) - 1))
 
 
 def step_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -290,11 +292,6 @@ def step_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def _target(dtype: str, name: str, value: float | None, limit: float, at_least: bool) -> dict[str, Any]:
-    ok = None if value is None else (value >= limit if at_least else value <= limit)
-    return {"dtype": dtype, "target": name, "value": value, "limit": limit, "ok": ok}
-
-
 def check_targets(rows: list[dict[str, Any]], compile_ms: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One entry per target (ok None when not measured); printed, never asserted."""
     by = {(r["mode"], r["dtype"]): r for r in rows}
@@ -303,21 +300,12 @@ def check_targets(rows: list[dict[str, Any]], compile_ms: dict[str, Any] | None)
         for mode, limit in (("json_schema", TARGET_CONSTRAINED_RATIO),
                             ("json_schema+jump-forward", TARGET_JUMP_FORWARD_RATIO)):
             row = by.get((mode, dtype))
-            checks.append(_target(dtype, f"{mode} output tok/s / unconstrained >=",
-                                  row["ratio_vs_unconstrained"] if row else None, limit, at_least=True))
+            checks.append(target(dtype, f"{mode} output tok/s / unconstrained >=",
+                                 row["ratio_vs_unconstrained"] if row else None, limit, at_least=True))
     if compile_ms is not None:
-        checks.append(_target("-", "compile cold ms <=", compile_ms["cold_ms"], TARGET_COMPILE_COLD_MS, False))
-        checks.append(_target("-", "compile cached ms <=", compile_ms["cached_ms"], TARGET_COMPILE_CACHED_MS, False))
+        checks.append(target("-", "compile cold ms <=", compile_ms["cold_ms"], TARGET_COMPILE_COLD_MS, False))
+        checks.append(target("-", "compile cached ms <=", compile_ms["cached_ms"], TARGET_COMPILE_CACHED_MS, False))
     return checks
-
-
-def target_lines(checks: list[dict[str, Any]]) -> list[str]:
-    lines = []
-    for c in checks:
-        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["ok"]]
-        value = "-" if c["value"] is None else f"{c['value']:.3g}"
-        lines.append(f"target {verdict} [{c['dtype']}] {c['target']} {c['limit']:g}: {value}")
-    return lines
 
 
 # ---- command line --------------------------------------------------------------------------
@@ -381,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(line)
     report = {
         "benchmark": "structured_generation",
-        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "params": args_params(args),
         "machine": machine_info(),
         "workload": {"requests": len(prompts), "schema": TICKET_SCHEMA, "example_prompt": prompts[0]},
         "compile_ms": compile_ms,
@@ -389,9 +377,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for r in rows],
         "targets": checks,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

@@ -19,26 +19,26 @@ from helpers.grammar_cases import (
     arith_grammar,
     check_arith,
     hf_constrained_greedy,
+    prop,
     regex_cases,
     schema_cases,
     xgrammar_defect_bias,
 )
-from helpers.grammar_driver import add, drive, one_torch_thread, submit, text_of
+from helpers.grammar_driver import (
+    add,
+    assert_valid_json,
+    check_regex_outputs,
+    check_schema_outputs,
+    drive,
+    one_torch_thread,
+    submit,
+    text_of,
+)
 from helpers.sched_driver import make_scheduler
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from radixserve.scheduler.request import ReqState
-
-
-def prop(max_examples: int) -> settings:
-    """Hypothesis settings: few examples (each runs a model), no deadline."""
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )
-
 
 EOS = 2  # <|im_end|>, the tiny chat model's EOS
 PERSON = {
@@ -58,13 +58,6 @@ ANSWER_TAG = json.dumps({
                "content": {"type": "json_schema", "json_schema": {"type": "integer", "minimum": 0, "maximum": 99}}},
 })
 DIGITS = "[0-9]{40}"  # one token per digit in this vocabulary: exactly 40 tokens
-
-
-def assert_valid_json(tok: Any, result: dict[str, Any], schema: dict) -> Any:
-    assert result["finished"]["type"] == "stop", (result, text_of(tok, result))
-    value = json.loads(text_of(tok, result))
-    jsonschema.validate(value, schema)
-    return value
 
 
 # ---- fixtures ------------------------------------------------------------------------------
@@ -113,18 +106,10 @@ def prompt(tok: Any) -> list[int]:
 # ---- every output is a sentence of its grammar ---------------------------------------------
 
 
-def check_schema_runs(sched: Any, tok: Any, prompt: list[int], avoid: dict[int, float], case: Any, seed: int) -> None:
-    params = {"json_schema": case.text, "max_new_tokens": case.max_tokens, "logit_bias": avoid}
-    rids = [submit(sched, prompt, **params), submit(sched, prompt, seed=seed, temperature=1.0, **params)]
-    results = drive(sched)
-    for rid in rids:
-        assert_valid_json(tok, results[rid], case.schema)
-
-
 @prop(8)
 @given(case=schema_cases(max_tokens=250), seed=st.integers(0, 2**31))
 def test_json_schema_outputs_parse_and_validate(shared_sched, tok, prompt, avoid, case, seed) -> None:
-    check_schema_runs(shared_sched, tok, prompt, avoid, case, seed)
+    check_schema_outputs(shared_sched, tok, prompt, avoid, case, seed, temperature=1.0)
 
 
 @pytest.mark.slow
@@ -132,30 +117,20 @@ def test_json_schema_outputs_parse_and_validate(shared_sched, tok, prompt, avoid
 @given(case=schema_cases(max_tokens=500, max_leaves=10), seed=st.integers(0, 2**31), jump_forward=st.booleans())
 def test_many_json_schema_outputs_parse_and_validate(shared_sched, exact_sched, tok, prompt, avoid, case, seed,
                                                      jump_forward) -> None:
-    check_schema_runs(shared_sched if jump_forward else exact_sched, tok, prompt, avoid, case, seed)
-
-
-def check_regex_runs(sched: Any, tok: Any, prompt: list[int], avoid: dict[int, float], case: Any, seed: int) -> None:
-    params = {"regex": case.pattern, "max_new_tokens": case.max_tokens, "logit_bias": avoid}
-    rids = [submit(sched, prompt, **params), submit(sched, prompt, seed=seed, temperature=1.0, **params)]
-    results = drive(sched)
-    for rid in rids:
-        r = results[rid]
-        assert r["finished"]["type"] == "stop", (case.pattern, r)
-        assert re.fullmatch(case.pattern, text_of(tok, r)), (case.pattern, text_of(tok, r))
+    check_schema_outputs(shared_sched if jump_forward else exact_sched, tok, prompt, avoid, case, seed, temperature=1.0)
 
 
 @prop(12)
 @given(case=regex_cases(), seed=st.integers(0, 2**31))
 def test_regex_outputs_fullmatch(shared_sched, tok, prompt, avoid, case, seed) -> None:
-    check_regex_runs(shared_sched, tok, prompt, avoid, case, seed)
+    check_regex_outputs(shared_sched, tok, prompt, avoid, case, seed, temperature=1.0)
 
 
 @pytest.mark.slow
 @prop(80)
 @given(case=regex_cases(max_chars=120), seed=st.integers(0, 2**31))
 def test_many_regex_outputs_fullmatch(shared_sched, tok, prompt, avoid, case, seed) -> None:
-    check_regex_runs(shared_sched, tok, prompt, avoid, case, seed)
+    check_regex_outputs(shared_sched, tok, prompt, avoid, case, seed, temperature=1.0)
 
 
 def check_arith_runs(sched: Any, tok: Any, prompt: list[int], shape: tuple[int, int], seed: int) -> None:

@@ -16,13 +16,22 @@ from helpers.grammar_cases import (
     arith_grammar,
     check_arith,
     hf_constrained_greedy,
+    prop,
     regex_cases,
     schema_cases,
     xgrammar_defect_bias,
 )
-from helpers.grammar_driver import drive, one_torch_thread, submit, text_of
+from helpers.grammar_driver import (
+    assert_valid_json,
+    check_regex_outputs,
+    check_schema_outputs,
+    drive,
+    one_torch_thread,
+    submit,
+    text_of,
+)
 from helpers.sched_driver import make_scheduler
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 EOS = (2,)  # <|im_end|>
@@ -37,14 +46,6 @@ PERSON = {
     "required": ["name", "age", "city", "languages"],
 }
 DATE = "(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
-
-
-def prop(max_examples: int) -> settings:
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,13 +80,6 @@ def chat(tok: Any, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def valid_json(tok: Any, result: dict[str, Any], schema: dict) -> Any:
-    assert result["finished"]["type"] == "stop", (result, text_of(tok, result))
-    value = json.loads(text_of(tok, result))
-    jsonschema.validate(value, schema)
-    return value
-
-
 def test_greedy_matches_hf_and_jump_forward_saves_steps(scheds, tok, default_model_path) -> None:
     """Jump-forward off: token for token HF's float32 greedy choice under the same mask.
     On: the same requests still give valid text, in fewer forward steps."""
@@ -102,7 +96,7 @@ def test_greedy_matches_hf_and_jump_forward_saves_steps(scheds, tok, default_mod
         steps[jf] = after["forward_steps"] - before["forward_steps"]
         jumped = after["jump_forward_tokens"] - before["jump_forward_tokens"]
         assert (jumped > 0) == jf, jumped
-        valid_json(tok, results[rids[0]], PERSON)
+        assert_valid_json(tok, results[rids[0]], PERSON)
         assert results[rids[1]]["finished"]["type"] == "stop"
         assert re.fullmatch(DATE, text_of(tok, results[rids[1]]))
         if not jf:
@@ -114,11 +108,7 @@ def test_greedy_matches_hf_and_jump_forward_saves_steps(scheds, tok, default_mod
 
 def check_schema_case(sched: Any, tok: Any, avoid: dict[int, float], case: Any, seed: int) -> None:
     prompt = chat(tok, "Reply with a JSON value that follows this JSON schema: " + case.text)
-    params = {"json_schema": case.text, "max_new_tokens": case.max_tokens, "logit_bias": avoid}
-    rids = [submit(sched, prompt, **params), submit(sched, prompt, seed=seed, temperature=0.8, **params)]
-    results = drive(sched)
-    for rid in rids:
-        valid_json(tok, results[rid], case.schema)
+    check_schema_outputs(sched, tok, prompt, avoid, case, seed, temperature=0.8)
 
 
 @prop(3)
@@ -139,13 +129,7 @@ def test_many_generated_schemas_validate(scheds, tok, avoid, case, seed, jf) -> 
 @given(case=regex_cases(max_chars=30), seed=st.integers(0, 2**31))
 def test_generated_regexes_fullmatch(scheds, tok, avoid, case, seed) -> None:
     prompt = chat(tok, "Write a short string.")
-    params = {"regex": case.pattern, "max_new_tokens": case.max_tokens, "logit_bias": avoid}
-    sched = scheds[True]
-    rids = [submit(sched, prompt, **params), submit(sched, prompt, seed=seed, temperature=0.8, **params)]
-    results = drive(sched)
-    for rid in rids:
-        assert results[rid]["finished"]["type"] == "stop", results[rid]
-        assert re.fullmatch(case.pattern, text_of(tok, results[rid])), (case.pattern, text_of(tok, results[rid]))
+    check_regex_outputs(scheds[True], tok, prompt, avoid, case, seed, temperature=0.8)
 
 
 @pytest.mark.slow

@@ -20,7 +20,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+
+def prop(max_examples: int) -> settings:
+    """Hypothesis settings for the grammar properties: few examples (each runs a model), no
+    deadline."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
 
 # ---- regexes ---------------------------------------------------------------------------
 # A regex AST: ("lit", c) | ("cls", items, negated) | ("rep", node, m, n) | ("opt", node)
@@ -378,6 +390,36 @@ def xgrammar_defect_bias(folder: str, vocab_size: int, stop_ids: tuple[int, ...]
     }
 
 
+class _GrammarRule:
+    """An xgrammar matcher as the rule of ``hf_greedy``: ``logit_bias`` is added, then the
+    logits of tokens the grammar refuses are set to -inf; the output ends when the grammar is
+    complete and nothing but a stop token may follow."""
+
+    def __init__(self, compiled: Any, vocab_size: int, stop_ids: tuple[int, ...],
+                 logit_bias: dict[int, float] | None) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
+        self.logit_bias = logit_bias or {}
+        self.out: list[int] = []
+
+    def mask(self, logits: torch.Tensor) -> None:
+        import xgrammar as xgr
+
+        for t, bias in self.logit_bias.items():
+            logits[0, t] += bias
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=self.vocab_size)
+
+    def accept(self, tok: int) -> bool:
+        self.out.append(tok)
+        assert self.matcher.accept_token(tok), (tok, self.out)
+        return not _only_stop_allowed(self.matcher, self.bitmask, self.stop_ids)
+
+
 @torch.inference_mode()
 def hf_constrained_greedy(
     folder: str,
@@ -392,31 +434,9 @@ def hf_constrained_greedy(
     is added, then the logits of tokens the grammar refuses are set to -inf before the
     argmax.  Stops after a stop token, or when the grammar is complete and nothing but a stop
     token may follow."""
-    import xgrammar as xgr
+    from helpers.oracle import hf_greedy, hf_model
 
-    from helpers.oracle import hf_model
-
-    model = hf_model(folder)
-    vocab_size = model.config.vocab_size
-    matcher = xgr.GrammarMatcher(reference_compile(folder, vocab_size, stop_ids, kind, text))
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    ids = torch.tensor([prompt])
-    out: list[int] = []
-    past = None
-    for _ in range(max_new_tokens):
-        res = model(input_ids=ids, cache=past, use_cache=True)
-        past = getattr(res, "cache", None) or res.past_key_values
-        logits = res.logits[:, -1].float().clone()
-        for t, bias in (logit_bias or {}).items():
-            logits[0, t] += bias
-        matcher.fill_next_token_bitmask(bitmask)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size)
-        tok = int(logits[0].argmax())
-        out.append(tok)
-        if tok in stop_ids:
-            break
-        assert matcher.accept_token(tok), (tok, out)
-        if _only_stop_allowed(matcher, bitmask, stop_ids):
-            break
-        ids = torch.tensor([[tok]])
-    return out
+    vocab_size = hf_model(folder).config.vocab_size
+    compiled = reference_compile(folder, vocab_size, stop_ids, kind, text)
+    rule = _GrammarRule(compiled, vocab_size, stop_ids, logit_bias)
+    return hf_greedy(folder, prompt, max_new_tokens, eos_ids=stop_ids, rule=rule)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import torch
 
 from radixserve.messages import ErrorOut, GenerateReq
@@ -62,6 +65,38 @@ def drive(sched: Any, on_step: Any = None, max_steps: int = 20_000) -> dict[str,
 
 def text_of(tok: Any, result: dict[str, Any]) -> str:
     return tok.decode(result["output_ids"], skip_special_tokens=True)
+
+
+def assert_valid_json(tok: Any, result: dict[str, Any], schema: dict) -> Any:
+    """The output stopped at its end, parses as JSON and validates against ``schema``: the value."""
+    assert result["finished"]["type"] == "stop", (result, text_of(tok, result))
+    value = json.loads(text_of(tok, result))
+    jsonschema.validate(value, schema)
+    return value
+
+
+
+def check_schema_outputs(sched: Any, tok: Any, prompt: list[int], avoid: dict[int, float], case: Any, seed: int,
+                         temperature: float) -> None:
+    """A greedy and a sampled run (``seed``, ``temperature``) of a ``schema_cases`` case with
+    ``avoid`` as logit_bias: both stop, parse and validate."""
+    params = {"json_schema": case.text, "max_new_tokens": case.max_tokens, "logit_bias": avoid}
+    rids = [submit(sched, prompt, **params), submit(sched, prompt, seed=seed, temperature=temperature, **params)]
+    results = drive(sched)
+    for rid in rids:
+        assert_valid_json(tok, results[rid], case.schema)
+
+
+def check_regex_outputs(sched: Any, tok: Any, prompt: list[int], avoid: dict[int, float], case: Any, seed: int,
+                        temperature: float) -> None:
+    """A greedy and a sampled run of a ``regex_cases`` case: both stop and fully match."""
+    params = {"regex": case.pattern, "max_new_tokens": case.max_tokens, "logit_bias": avoid}
+    rids = [submit(sched, prompt, **params), submit(sched, prompt, seed=seed, temperature=temperature, **params)]
+    results = drive(sched)
+    for rid in rids:
+        r = results[rid]
+        assert r["finished"]["type"] == "stop", (case.pattern, r)
+        assert re.fullmatch(case.pattern, text_of(tok, r)), (case.pattern, text_of(tok, r))
 
 
 @contextlib.contextmanager

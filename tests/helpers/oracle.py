@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 
@@ -15,9 +16,26 @@ def hf_model(folder: str) -> torch.nn.Module:
     return model.eval()
 
 
+class GreedyRule(Protocol):
+    """What a constrained greedy reference adds to each step (see ``hf_greedy``)."""
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Edit the step's logits ([1, vocab], a float32 copy) in place before the argmax."""
+
+    def accept(self, tok: int) -> bool:
+        """Take the chosen token (not a stop token); False ends the output after it."""
+
+
 @torch.inference_mode()
-def hf_greedy(folder: str, prompt: list[int], max_new_tokens: int, eos_ids: set[int] | None = None) -> list[int]:
-    """Greedy tokens by HF transformers (with its own KV cache), stopping at ``eos_ids``."""
+def hf_greedy(
+    folder: str,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: set[int] | tuple[int, ...] | None = None,
+    rule: GreedyRule | None = None,
+) -> list[int]:
+    """Greedy tokens by HF transformers (with its own KV cache), stopping after a token of
+    ``eos_ids``; ``rule``, when given, masks each step's logits and may end the output."""
     model = hf_model(folder)
     ids = torch.tensor([prompt])
     out: list[int] = []
@@ -25,9 +43,15 @@ def hf_greedy(folder: str, prompt: list[int], max_new_tokens: int, eos_ids: set[
     for _ in range(max_new_tokens):
         res = model(input_ids=ids, cache=past, use_cache=True)
         past = getattr(res, "cache", None) or res.past_key_values
-        tok = int(res.logits[0, -1].argmax())
+        logits = res.logits[:, -1]
+        if rule is not None:
+            logits = logits.float().clone()
+            rule.mask(logits)
+        tok = int(logits[0].argmax())
         out.append(tok)
         if eos_ids and tok in eos_ids:
+            break
+        if rule is not None and not rule.accept(tok):
             break
         ids = torch.tensor([[tok]])
     return out

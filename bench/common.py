@@ -1,0 +1,75 @@
+"""What the benchmarks in ``bench/`` share: the machine description, target checks and their
+printed lines, plain-text tables, and writing the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from collections.abc import Container, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    info = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+    if info["cuda"]:
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def args_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The command-line arguments as JSON values (paths as strings)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def target(dtype: str, name: str, value: float | None, limit: float, at_least: bool) -> dict[str, Any]:
+    """One target check of a dtype's run; ``ok`` is None when the value was not measured."""
+    ok = None if value is None else (value >= limit if at_least else value <= limit)
+    return {"dtype": dtype, "target": name, "value": value, "limit": limit, "ok": ok}
+
+
+def target_lines(checks: list[dict[str, Any]], scope: str = "dtype", value_format: str = ".3g") -> list[str]:
+    """``target PASS [<check[scope]>] <name> <limit>: <value>`` per check (printed, never asserted)."""
+    lines = []
+    for c in checks:
+        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["ok"]]
+        value = "-" if c["value"] is None else format(c["value"], value_format)
+        lines.append(f"target {verdict} [{c[scope]}] {c['target']} {c['limit']:g}: {value}")
+    return lines
+
+
+def align_columns(lines: Sequence[Sequence[str]], left: Container[int] = ()) -> str:
+    """Rows of cells as text columns two spaces apart: the columns in ``left`` flush left, the
+    others flush right (the first row is the header)."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        for line in lines
+    )
+
+
+def write_json(data: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """Write the report as indented JSON (creating its folder) and say where."""
+    write_json(report, out)
+    print(f"wrote {out}")
