@@ -18,7 +18,6 @@ from radixserve.config import ServerArgs
 from radixserve.frontend.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.launcher import ProcessGroup
 from radixserve.tokenizer import load_tokenizer
-from radixserve.validation import check_logprob_start_len
 
 logger = logging.getLogger(__name__)
 WATCHDOG_INTERVAL_S = 0.5
@@ -84,6 +83,7 @@ class Engine:
         prompt: str | list[str] | None,
         sampling_params: dict | list[dict] | None,
         input_ids: list[int] | list[list[int]] | None,
+        logprob_start_len: int = -1,
     ) -> tuple[bool, list[tuple[list[int], Any]]]:
         """Validate every request of the call up front; ValueError names the bad one."""
         if prompt is None and input_ids is None:
@@ -113,18 +113,10 @@ class Engine:
         prepared = []
         for i, (p, ids, sp) in enumerate(zip(prompts, ids_list, params_list, strict=True)):
             try:
-                prepared.append(self.tm.prepare(p, ids, sp))
+                prepared.append(self.tm.prepare(p, ids, sp, logprob_start_len))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if batched else str(e)) from None
         return batched, prepared
-
-    @staticmethod
-    def _check_start(prepared: list[tuple[list[int], Any]], logprob_start_len: int, batched: bool) -> None:
-        for i, (ids, _) in enumerate(prepared):
-            try:
-                check_logprob_start_len(logprob_start_len, len(ids))
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}" if batched else str(e)) from None
 
     async def _collect(self, ids: list[int], params: Any, logprob: tuple[bool, int, int]) -> dict[str, Any]:
         return_logprob, top_n, start = logprob
@@ -179,8 +171,7 @@ class Engine:
         for prompt positions ``[k, prompt_len)`` (None at position 0).  Prompt tokens whose
         logprobs are asked for are computed even when cached.
         """
-        batched, prepared = self._normalize(prompt, sampling_params, input_ids)
-        self._check_start(prepared, logprob_start_len, batched)
+        batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len)
         logprob = (return_logprob, top_logprobs_num, logprob_start_len)
         if stream:
             if batched:
@@ -226,8 +217,7 @@ class Engine:
         logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio variant of :meth:`generate`, usable from any event loop."""
-        batched, prepared = self._normalize(prompt, sampling_params, input_ids)
-        self._check_start(prepared, logprob_start_len, batched)
+        batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len)
         logprob = (return_logprob, top_logprobs_num, logprob_start_len)
         if stream:
             if batched:

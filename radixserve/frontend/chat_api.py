@@ -4,8 +4,6 @@ A request goes: validate the tool fields (``parsers.plan_tools``) -> render the 
 the chat template (natively, or in radixserve's prompted tool format) -> add the grammar that
 enforces ``tool_choice`` -> generate ``n`` choices -> parse each choice's output on its own
 into ``reasoning_content``, ``content`` and ``tool_calls`` (incrementally when streaming).
-
-The route is registered on ``openai_api.router``, which imports this module.
 """
 
 from __future__ import annotations
@@ -18,20 +16,19 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import ORJSONResponse
 
 from radixserve.frontend.errors import APIError
-from radixserve.frontend.openai_api import (
-    _choice_params,
-    _fan_in,
-    _finish,
-    _sse,
-    _start_stream,
-    _state,
-    _token_str,
-    _usage,
-    router,
+from radixserve.frontend.openai_common import (
+    fan_in,
+    finish_type,
+    params_per_choice,
+    server_state,
+    sse_event,
+    start_stream,
+    token_text,
+    usage_dict,
 )
 from radixserve.frontend.parsers import (
     ParsedMessage,
@@ -52,6 +49,7 @@ from radixserve.frontend.parsers import (
 from radixserve.frontend.protocol import ChatCompletionRequest
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
 
+router = APIRouter()
 _ROLES = {"developer": "system", "function": "tool"}
 
 
@@ -148,12 +146,12 @@ def _sampling(st: ServerState, body: ChatCompletionRequest, plan: ToolPlan, fmt:
 def _chat_logprobs(st: ServerState, ids: list[int], lps: list[float], tops: list[Any]) -> dict[str, Any]:
     content = []
     for j, (tok, lp) in enumerate(zip(ids, lps, strict=False)):
-        s = _token_str(st, tok)
+        s = token_text(st, tok)
         alts = tops[j] if j < len(tops) and tops[j] else []
         content.append({
             "token": s, "logprob": lp, "bytes": list(s.encode()),
             "top_logprobs": [
-                {"token": (a := _token_str(st, int(t))), "logprob": v, "bytes": list(a.encode())}
+                {"token": (a := token_text(st, int(t))), "logprob": v, "bytes": list(a.encode())}
                 for t, v in alts
             ],
         })
@@ -178,13 +176,13 @@ def _message(spec: ParseSpec, text: str) -> tuple[dict[str, Any], bool]:
 
 
 def _finish_reason(meta: dict[str, Any], has_calls: bool) -> str | None:
-    reason = _finish(meta)
+    reason = finish_type(meta)
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    st = _state(request)
+    st = server_state(request)
     st.check_model(body.model)
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -206,7 +204,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     sampling = _sampling(st, body, plan, fmt, prompt, thinking)
     ids, params = st.prepare(prompt, None, sampling, check_total=True)
     top_n = body.top_logprobs or 0
-    choice_params = _choice_params(params, body.n)
+    choice_params = params_per_choice(params, body.n)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
 
     def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
@@ -223,7 +221,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "logprobs": _chat_logprobs(st, r["output_ids"], r["logprobs"], r["top_logprobs"]) if body.logprobs else None,
                 "finish_reason": _finish_reason(r["meta_info"], has_calls),
             })
-        usage = _usage(len(ids), sum(r["meta_info"]["completion_tokens"] for r in merged),
+        usage = usage_dict(len(ids), sum(r["meta_info"]["completion_tokens"] for r in merged),
                        merged[0]["meta_info"]["cached_tokens"])
         return ORJSONResponse({"id": cid, "object": "chat.completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
@@ -235,7 +233,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                "choices": choices}
         if include_usage:
             obj["usage"] = usage
-        return _sse(obj)
+        return sse_event(obj)
 
     async def gen() -> AsyncIterator[bytes]:
         n = len(choice_params)
@@ -246,7 +244,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         held: list[tuple[list[int], list[float], list[Any]]] = [([], [], []) for _ in range(n)]
         started = set()
         completion, cached = 0, 0
-        async for i, piece in _fan_in(streams(True)):
+        async for i, piece in fan_in(streams(True)):
             if i not in started:
                 started.add(i)
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -278,7 +276,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 if i == 0:
                     cached = meta["cached_tokens"]
         if include_usage:
-            yield chunk([], _usage(len(ids), completion, cached))
+            yield chunk([], usage_dict(len(ids), completion, cached))
         yield b"data: [DONE]\n\n"
 
-    return await _start_stream(gen())
+    return await start_stream(gen())

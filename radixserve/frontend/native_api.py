@@ -17,7 +17,6 @@ from radixserve.frontend.errors import APIError
 from radixserve.frontend.protocol import AbortRequest, GenerateRequest
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
 from radixserve.frontend.tokenizer_manager import RequestError
-from radixserve.validation import check_logprob_start_len
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -51,8 +50,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     prepared = []
     for i in range(n):
         try:
-            prepared.append(st.prepare(texts[i] if texts else None, ids_list[i] if ids_list else None, sps[i]))
-            check_logprob_start_len(body.logprob_start_len, len(prepared[-1][0]))
+            prepared.append(st.prepare(texts[i] if texts else None, ids_list[i] if ids_list else None, sps[i],
+                                       logprob_start_len=body.logprob_start_len))
         except ValueError as e:
             raise APIError(f"request {i}: {e}" if batched else str(e), 400) from e
     if body.stream:

@@ -1,103 +1,36 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/models, and the helpers the chat route
-(``chat_api``, /v1/chat/completions, registered on this router at the end) shares."""
+"""OpenAI-compatible routes: /v1/completions and /v1/models (the chat route is ``chat_api``)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import ORJSONResponse
 
 from radixserve.frontend.errors import APIError
+from radixserve.frontend.openai_common import (
+    fan_in,
+    finish_type,
+    params_per_choice,
+    server_state,
+    sse_event,
+    start_stream,
+    token_text,
+    usage_dict,
+)
 from radixserve.frontend.protocol import CompletionRequest
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
-from radixserve.sampling import SamplingParams
 
 router = APIRouter()
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def _finish(meta: dict[str, Any]) -> str | None:
-    reason = meta.get("finish_reason")
-    return None if reason is None else reason.get("type")
-
-
-def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n choices: distinct seeds (the user's seed + i keeps them reproducible)."""
-    if n == 1:
-        return [params]
-    base = params.seed
-    return [dataclasses.replace(params, seed=None if base is None else base + i) for i in range(n)]
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-async def _fan_in(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several requests' pieces as ``(index, piece)``; an error ends everything."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: AsyncIterator[dict[str, Any]]) -> None:
-        try:
-            async for piece in s:
-                await queue.put((i, piece))
-        except Exception as e:  # handed to the consumer, which raises it
-            await queue.put((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(streams)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item["finished"]:
-                remaining -= 1
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _start_stream(gen: AsyncIterator[bytes]) -> StreamingResponse:
-    """Run the generator to its first chunk before answering, so errors keep their status."""
-    it = gen.__aiter__()
-    first = await it.__anext__()
-
-    async def body() -> AsyncIterator[bytes]:
-        yield first
-        async for chunk in it:
-            yield chunk
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-def _token_str(st: ServerState, tok: int) -> str:
-    return st.tokenizer.decode([tok])
-
-
 @router.get("/v1/models")
 async def models(request: Request) -> ORJSONResponse:
-    st = _state(request)
+    st = server_state(request)
     return ORJSONResponse({
         "object": "list",
         "data": [{
@@ -113,7 +46,7 @@ def _completion_logprobs(st: ServerState, ids: list[int], lps: list[float | None
 
     A None logprob / top list (the first prompt token under ``echo``) stays None (null).
     """
-    tokens = [_token_str(st, t) for t in ids]
+    tokens = [token_text(st, t) for t in ids]
     offsets, pos = [], offset
     for s in tokens:
         offsets.append(pos)
@@ -121,7 +54,7 @@ def _completion_logprobs(st: ServerState, ids: list[int], lps: list[float | None
     top = []
     for j in range(len(ids)):
         alts = tops[j] if j < len(tops) else []
-        top.append(None if alts is None else {_token_str(st, int(t)): v for t, v in alts})
+        top.append(None if alts is None else {token_text(st, int(t)): v for t, v in alts})
     return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
 
 
@@ -138,7 +71,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     (the first one null) followed by the completion's, computed in the same prefill: those
     requests ask the scheduler for prompt logprobs from position 0, so their prompt is
     computed even when it is cached."""
-    st = _state(request)
+    st = server_state(request)
     st.check_model(body.model)
     sampling = body.sampling_dict(body.max_tokens)
     prepared = []
@@ -151,7 +84,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     want_lp = body.logprobs is not None
     top_n = body.logprobs or 0
     echo_lp = body.echo and want_lp
-    jobs = [(ids, cp) for ids, params in prepared for cp in _choice_params(params, body.n)]
+    jobs = [(ids, cp) for ids, params in prepared for cp in params_per_choice(params, body.n)]
     echo_text = [st.tokenizer.decode(ids) if body.echo else "" for ids, _ in jobs]
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
 
@@ -175,10 +108,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 prompt_logprobs(i, r),
                 _completion_logprobs(st, r["output_ids"], r["logprobs"], r["top_logprobs"], len(echo_text[i])),
             ) if want_lp else None,
-            "finish_reason": _finish(r["meta_info"]),
+            "finish_reason": finish_type(r["meta_info"]),
         } for i, r in enumerate(results)]
         cached = sum(results[k * body.n]["meta_info"]["cached_tokens"] for k in range(len(prepared)))
-        usage = _usage(prompt_tokens, sum(r["meta_info"]["completion_tokens"] for r in results), cached)
+        usage = usage_dict(prompt_tokens, sum(r["meta_info"]["completion_tokens"] for r in results), cached)
         return ORJSONResponse({"id": cid, "object": "text_completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
@@ -188,7 +121,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         obj = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
         if include_usage:
             obj["usage"] = usage
-        return _sse(obj)
+        return sse_event(obj)
 
     async def gen() -> AsyncIterator[bytes]:
         completion, cached = 0, 0
@@ -197,7 +130,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         # Per choice, logprobs not sent yet: a piece whose text is held back (a character
         # split across tokens) sends its tokens' logprobs with the next chunk that has text.
         held: list[dict[str, Any]] = [{"prompt": None, "ids": [], "lps": [], "tops": []} for _ in jobs]
-        async for i, piece in _fan_in(streams(True)):
+        async for i, piece in fan_in(streams(True)):
             text = piece["text"]
             start = text_pos[i]  # where this chunk's completion text begins
             if i not in sent_echo:
@@ -217,17 +150,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     held[i] = {"prompt": None, "ids": [], "lps": [], "tops": []}
                 text_pos[i] += len(text)
                 yield chunk([{"index": i, "text": text, "logprobs": lp,
-                              "finish_reason": _finish(piece["meta_info"]) if finished else None}])
+                              "finish_reason": finish_type(piece["meta_info"]) if finished else None}])
             if finished:
                 completion += piece["meta_info"]["completion_tokens"]
                 if i % body.n == 0:
                     cached += piece["meta_info"]["cached_tokens"]
         if include_usage:
-            yield chunk([], _usage(prompt_tokens, completion, cached))
+            yield chunk([], usage_dict(prompt_tokens, completion, cached))
         yield b"data: [DONE]\n\n"
 
-    return await _start_stream(gen())
-
-
-# /v1/chat/completions lives in its own module and registers itself on `router`.
-from radixserve.frontend import chat_api as _chat_api  # noqa: E402, F401
+    return await start_stream(gen())

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, ORJSONResponse
 
 from radixserve.config import ServerArgs
+from radixserve.frontend.chat_api import router as chat_router
 from radixserve.frontend.errors import error_body, install_error_handlers
 from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
@@ -70,6 +71,7 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any], toke
     app = FastAPI(title="radixserve", lifespan=lifespan, default_response_class=ORJSONResponse)
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(chat_router)
     app.include_router(native_router)
 
     if args.api_key:

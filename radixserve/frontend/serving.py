@@ -51,7 +51,8 @@ class ServerState:
             )
 
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
-                sampling: dict[str, Any] | None, check_total: bool = False) -> tuple[list[int], SamplingParams]:
+                sampling: dict[str, Any] | None, check_total: bool = False,
+                logprob_start_len: int = -1) -> tuple[list[int], SamplingParams]:
         """Tokenize and validate one prompt; with ``check_total`` (the OpenAI routes' contract)
         the prompt plus the requested max tokens must fit the context, and a request that
         gives no max tokens may generate up to the context length, as in OpenAI and vLLM."""
@@ -61,7 +62,7 @@ class ServerState:
         up_to_context = check_total and not (sampling or {}).get("max_new_tokens")
         if up_to_context:  # an upper bound until the prompt's length is known
             sampling = {**(sampling or {}), "max_new_tokens": ctx}
-        ids, params = self.tm.prepare(prompt, input_ids, sampling)
+        ids, params = self.tm.prepare(prompt, input_ids, sampling, logprob_start_len)
         if up_to_context:
             room = ctx - len(ids)
             if room < 1:

@@ -76,9 +76,14 @@ class TokenizerManager:
 
     # ---- requests ----------------------------------------------------------------------
     def prepare(
-        self, prompt: str | None, input_ids: list[int] | None, sampling_params: dict[str, Any] | None
+        self,
+        prompt: str | None,
+        input_ids: list[int] | None,
+        sampling_params: dict[str, Any] | None,
+        logprob_start_len: int = -1,
     ) -> tuple[list[int], SamplingParams]:
-        """Tokenize and validate; raises ValueError with a clear message."""
+        """Tokenize and validate (``logprob_start_len`` against the prompt's length too);
+        raises ValueError with a clear message."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) and input_ids")
         if prompt is not None:
@@ -92,6 +97,7 @@ class TokenizerManager:
         ids = check_input_ids(
             input_ids, self.info["vocab_size"], self.info["context_length"], self.info["max_total_tokens"]
         )
+        check_logprob_start_len(logprob_start_len, len(ids))
         params = SamplingParams.from_dict(sampling_params)
         params.validate_for_model(self.info["vocab_size"])
         return ids, params
@@ -111,9 +117,9 @@ class TokenizerManager:
         With ``return_logprob``, pieces carry ``logprobs`` / ``top_logprobs`` of their output
         tokens, and with ``logprob_start_len >= 0`` the first one also ``input_logprobs`` /
         ``input_top_logprobs`` (prompt positions ``[logprob_start_len, prompt_len)``, None at
-        position 0).  Cancelling the consumer (client gone) aborts the request in the scheduler.
+        position 0).  ``input_ids`` and ``logprob_start_len`` come checked from :meth:`prepare`.
+        Cancelling the consumer (client gone) aborts the request in the scheduler.
         """
-        check_logprob_start_len(logprob_start_len, len(input_ids))
         if self.dead_reason:
             raise RequestError(self.dead_reason, 503)
         rid = rid or uuid.uuid4().hex
