@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse
 
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.openai_common import (
@@ -47,6 +46,7 @@ from radixserve.frontend.parsers import (
     tool_format,
 )
 from radixserve.frontend.protocol import ChatCompletionRequest
+from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
 
 router = APIRouter()
@@ -223,7 +223,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             })
         usage = usage_dict(len(ids), sum(r["meta_info"]["completion_tokens"] for r in merged),
                        merged[0]["meta_info"]["cached_tokens"])
-        return ORJSONResponse({"id": cid, "object": "chat.completion", "created": created,
+        return JSONBytesResponse({"id": cid, "object": "chat.completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -10,11 +10,12 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from radixserve import __version__
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.protocol import AbortRequest, GenerateRequest
+from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
 from radixserve.frontend.tokenizer_manager import RequestError
 
@@ -82,7 +83,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         for i, (ids, params) in enumerate(prepared)
     ])
     out = [_result(merge_pieces(r)) for r in results]
-    return ORJSONResponse(out if batched else out[0])
+    return JSONBytesResponse(out if batched else out[0])
 
 
 @router.get("/health")
@@ -101,19 +102,19 @@ async def health_generate(request: Request) -> Response:
                                     {"max_new_tokens": 1, "temperature": 0})
         await asyncio.wait_for(collect(st.stream(ids, params, stream=False), request), HEALTH_GENERATE_TIMEOUT_S)
     except (RequestError, TimeoutError) as e:
-        return ORJSONResponse({"status": "unhealthy", "error": str(e)}, 503)
+        return JSONBytesResponse({"status": "unhealthy", "error": str(e)}, 503)
     return Response(status_code=200)
 
 
 @router.get("/server_info")
 @router.get("/get_server_info")
-async def server_info(request: Request) -> ORJSONResponse:
+async def server_info(request: Request) -> JSONBytesResponse:
     st = _state(request)
     stats = await st.tm.control("stats")
     memory = await st.tm.control("check_memory")
     args = st.args.to_dict()
     args.pop("api_key", None)
-    return ORJSONResponse({
+    return JSONBytesResponse({
         "version": __version__,
         "model": st.model_name,
         "server_args": args,
@@ -125,18 +126,18 @@ async def server_info(request: Request) -> ORJSONResponse:
 
 
 @router.post("/flush_cache")
-async def flush_cache(request: Request) -> ORJSONResponse:
+async def flush_cache(request: Request) -> JSONBytesResponse:
     st = _state(request)
     result = await st.tm.control("flush_cache")
     if not result.get("success"):
         raise APIError("cannot flush the cache while requests are running", 409)
-    return ORJSONResponse({"success": True, "message": "cache flushed"})
+    return JSONBytesResponse({"success": True, "message": "cache flushed"})
 
 
 @router.post("/abort_request")
-async def abort_request(body: AbortRequest, request: Request) -> ORJSONResponse:
+async def abort_request(body: AbortRequest, request: Request) -> JSONBytesResponse:
     await _state(request).tm.abort(body.rid)
-    return ORJSONResponse({"success": True})
+    return JSONBytesResponse({"success": True})
 
 
 @router.get("/metrics")

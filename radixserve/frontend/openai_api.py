@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse
 
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.openai_common import (
@@ -23,15 +22,16 @@ from radixserve.frontend.openai_common import (
     usage_dict,
 )
 from radixserve.frontend.protocol import CompletionRequest
+from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
-async def models(request: Request) -> ORJSONResponse:
+async def models(request: Request) -> JSONBytesResponse:
     st = server_state(request)
-    return ORJSONResponse({
+    return JSONBytesResponse({
         "object": "list",
         "data": [{
             "id": st.model_name, "object": "model", "created": int(st.started_at),
@@ -112,7 +112,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         } for i, r in enumerate(results)]
         cached = sum(results[k * body.n]["meta_info"]["cached_tokens"] for k in range(len(prepared)))
         usage = usage_dict(prompt_tokens, sum(r["meta_info"]["completion_tokens"] for r in results), cached)
-        return ORJSONResponse({"id": cid, "object": "text_completion", "created": created,
+        return JSONBytesResponse({"id": cid, "object": "text_completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

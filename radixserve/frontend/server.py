@@ -18,13 +18,14 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, ORJSONResponse
+from fastapi.responses import JSONResponse
 
 from radixserve.config import ServerArgs
 from radixserve.frontend.chat_api import router as chat_router
 from radixserve.frontend.errors import error_body, install_error_handlers
 from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
+from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState
 from radixserve.frontend.tokenizer_manager import TokenizerManager
 from radixserve.launcher import ProcessGroup
@@ -68,7 +69,7 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any], toke
             tm.fail_all("the server is shutting down")
             await tm.close()
 
-    app = FastAPI(title="radixserve", lifespan=lifespan, default_response_class=ORJSONResponse)
+    app = FastAPI(title="radixserve", lifespan=lifespan, default_response_class=JSONBytesResponse)
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(chat_router)
