@@ -7,49 +7,65 @@ import dataclasses
 import sys
 from typing import Any
 
-from radixserve.config import ServerArgs, env_default
+from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs, env_default
 
+# Help per setting.  Settings whose default is computed (None / "auto" in ServerArgs) say
+# what it is here; the others get "(default: X)" appended.
 _HELP = {
-    "model": "local HF folder (config.json + safetensors) or .gguf file; default: embedded SmolLM2-135M-Instruct",
-    "tokenizer": "tokenizer folder, if not the model's",
+    "model": "local HF folder (config.json + safetensors) or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer folder (default: the model's)",
     "dtype": "weights and KV dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16",
-    "device": "auto, cpu or cuda",
+    "device": "auto (cuda when available, else cpu), cpu or cuda",
     "attention_backend": "auto (triton on GPU, torch on CPU), torch or triton",
-    "page_size": "tokens per KV page (1 on CPU, 16 on GPU when unset)",
-    "max_total_tokens": "KV pool size in tokens (sized from free memory when unset)",
-    "max_running_requests": "most requests decoding at once",
+    "page_size": "tokens per KV page (default: 1 on CPU, 16 on GPU)",
+    "max_total_tokens": "KV pool size in tokens (default: sized from free memory, see --kv-cache-memory-fraction)",
+    "max_running_requests": f"most requests running at once (default: {DEFAULT_MAX_RUNNING_REQUESTS})",
     "max_prefill_tokens": "token budget of one prefill batch",
-    "chunked_prefill_size": "longest prefill chunk (1024 on CPU, 8192 on GPU when unset; -1 off)",
+    "chunked_prefill_size": "longest prefill chunk; -1 off (default: 1024 on CPU, 8192 on GPU)",
     "schedule_policy": "lpm (longest cached prefix first) or fcfs",
     "disable_radix_cache": "turn the prefix cache off",
-    "context_length": "longest sequence (default: the model's)",
+    "context_length": "longest sequence (default: the model's max_position_embeddings)",
     "random_seed": "seed of the seeds drawn for requests that give none",
     "stream_interval": "send streamed tokens every N steps",
-    "kv_cache_memory_fraction": "share of free memory for the KV pool when max_total_tokens is unset",
+    "kv_cache_memory_fraction": "share of free memory for the KV pool when --max-total-tokens is unset",
     "log_level": "debug, info, warning, error",
     "startup_timeout": "seconds to wait for the model to load",
     "host": "HTTP server address",
     "port": "HTTP server port",
-    "served_model_name": "model name reported by /v1/models and accepted in requests",
-    "max_queued_requests": "waiting requests beyond which new ones get HTTP 503 (unlimited when unset)",
-    "api_key": "require 'Authorization: Bearer <key>' on HTTP requests",
+    "served_model_name": "model name reported by /v1/models and accepted in requests (default: the model folder's name)",
+    "max_queued_requests": "waiting requests beyond which new ones get HTTP 503 (default: unlimited)",
+    "api_key": "require 'Authorization: Bearer <key>' on HTTP requests (default: none)",
     "grammar_backend": "constrained decoding backend: xgrammar, or none (json_schema/regex/ebnf refused)",
     "disable_jump_forward": "decode grammar-forced text token by token instead of appending it at once",
     "tool_call_parser": "tool-call format: auto (from the chat template), hermes, qwen25, qwen3, llama3, mistral, prompted",
-    "reasoning_parser": "split <think> output into reasoning_content: qwen3 or deepseek-r1",
+    "reasoning_parser": "split <think> output into reasoning_content: qwen3 or deepseek-r1 (default: off)",
+    "max_request_body_bytes": "HTTP request bodies larger than this get 413",
+    "cors_allow_origins": "comma-separated origins allowed by CORS, '*' for any (default: CORS off)",
+    "slow_reader_timeout": "seconds a stream's reader may stay behind before the request is cut off",
 }
 
+# Settings of the HTTP server only: not offered by `generate` and a local `chat`.
+SERVER_ONLY = ("host", "port", "api_key", "max_queued_requests", "served_model_name",
+               "max_request_body_bytes", "cors_allow_origins", "slow_reader_timeout")
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServerArgs field; defaults also read from RADIXSERVE_<NAME>."""
+
+def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                    defaults: dict[str, Any] | None = None) -> None:
+    """One flag per ServerArgs field (but ``exclude``); defaults come from ServerArgs, then
+    ``defaults`` (this command's own), then RADIXSERVE_<NAME>."""
+    group = parser.add_argument_group("settings (also RADIXSERVE_<NAME> environment variables)")
     for f in dataclasses.fields(ServerArgs):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
-        default = env_default(f.name, f.default)
-        help_text = f"{_HELP.get(f.name, '')} (default: {default})"
+        default = env_default(f.name, (defaults or {}).get(f.name, f.default))
+        help_text = _HELP.get(f.name, "")
+        if default is not None and f.type not in ("bool", bool):
+            help_text += f" (default: {default})"
         if f.type in ("bool", bool):
             if isinstance(default, str):
                 default = default.lower() in ("1", "true", "yes")
-            parser.add_argument(flag, action="store_true", default=default, help=help_text)
+            group.add_argument(flag, action="store_true", default=default, help=help_text)
             continue
         conv: Any = str
         if "int" in str(f.type):
@@ -58,17 +74,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             conv = float
         if default is not None and isinstance(default, str) and conv is not str:
             default = conv(default)
-        parser.add_argument(flag, type=conv, default=default, help=help_text)
+        group.add_argument(flag, type=conv, default=default, help=help_text)
 
 
 def args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)}
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if hasattr(ns, f.name)}
+
+
+def _sampling(ns: argparse.Namespace) -> dict[str, Any]:
+    """The command's sampling flags, checked before anything loads (ValueError if bad)."""
+    from radixserve.sampling import SamplingParams
+
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
+    SamplingParams.from_dict(params)
+    return params
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    if not ns.prompt:
+        raise ValueError("the prompt is empty")
+    params = _sampling(ns)
+    settings = args_from_namespace(ns)
+    ServerArgs.from_kwargs(**settings)  # bad settings fail here, before the model loads
     from radixserve.engine import Engine
 
-    settings = args_from_namespace(ns)
     model = settings.pop("model")
     with Engine(model, **settings) as engine:
         tok = engine.tokenizer
@@ -77,7 +106,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             prompt = tok.apply_chat_template(
                 [{"role": "user", "content": ns.prompt}], tokenize=False, add_generation_prompt=True
             )
-        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
         for piece in engine.generate(prompt, params, stream=True):
             sys.stdout.write(piece["text"])
             sys.stdout.flush()
@@ -94,10 +122,53 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from radixserve.chat import chat_local, chat_remote
 
+    _sampling(ns)
     if ns.base_url:
         return chat_remote(ns.base_url, ns.max_new_tokens, ns.temperature, ns.system, ns.api_key)
     settings = args_from_namespace(ns)
+    settings.pop("api_key", None)  # a local engine has no HTTP side
+    ServerArgs.from_kwargs(**settings)
     return chat_local(settings, ns.max_new_tokens, ns.temperature, ns.system)
+
+
+_DESCRIPTION = """\
+radixserve: an LLM serving runtime built around a radix-tree prefix cache.
+
+  radixserve generate "What is the capital of France?"   one completion, streamed
+  radixserve serve                                       OpenAI-compatible HTTP server
+  radixserve chat                                        chat in the terminal
+  radixserve bench serving --help                        benchmarks
+
+Without --model, the embedded default model (SmolLM2-135M-Instruct) is used."""
+
+_QUIET = {"log_level": "warning"}  # commands that print to the terminal keep INFO logs off it
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="radixserve", description=_DESCRIPTION, formatter_class=fmt)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,bench}")
+    gen = sub.add_parser("generate", help="print a completion for one prompt",
+                         description="Print a completion for one prompt, as it is generated.")
+    gen.add_argument("prompt", help="the prompt (the chat template is applied for instruct models)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0.0)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_server_args(gen, exclude=SERVER_ONLY, defaults=_QUIET)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           description="Run the OpenAI-compatible HTTP server (and SGLang's native routes).")
+    add_server_args(serve)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal",
+                          description="Chat in the terminal, with a running server (--base-url) or a local engine.")
+    chat.add_argument("--base-url", default=None,
+                      help="chat with a running server, e.g. http://127.0.0.1:30000 (default: a local engine)")
+    chat.add_argument("--system", default=None, help="system prompt (default: none)")
+    chat.add_argument("--max-new-tokens", type=int, default=512, help="most tokens per reply (default: 512)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
+    chat.add_argument("--api-key", default=None, help="the server's API key, with --base-url (default: none)")
+    add_server_args(chat, exclude=SERVER_ONLY, defaults=_QUIET)
+    sub.add_parser("bench", help="benchmarks: radixserve bench {serving,compare} --help", add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,36 +177,18 @@ def main(argv: list[str] | None = None) -> int:
         from radixserve.bench_cli import main as bench_main
 
         return bench_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="print a completion for one prompt")
-    gen.add_argument("prompt", help="the prompt (the chat template is applied for instruct models)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    add_server_args(gen)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_server_args(serve)
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
-    chat.add_argument("--base-url", default=None,
-                      help="chat with a running server (e.g. http://127.0.0.1:30000); default: a local engine")
-    chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--max-new-tokens", type=int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    add_server_args(chat)
-    sub.add_parser("bench", help="benchmarks: radixserve bench {serving,compare} --help")
-    ns = parser.parse_args(argv)
+    ns = _build_parser().parse_args(argv)
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat}
     try:
-        if ns.command == "generate":
-            return cmd_generate(ns)
-        if ns.command == "serve":
-            return cmd_serve(ns)
-        if ns.command == "chat":
-            return cmd_chat(ns)
-    except ValueError as e:
+        return commands[ns.command](ns)
+    except (ValueError, FileNotFoundError) as e:  # the user's input: one line, exit 2
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
-    return 1
+    except RuntimeError as e:  # start-up failed; the process that failed logged the details
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ _BACKENDS = ("auto", "torch", "triton")
 _GRAMMAR_BACKENDS = ("xgrammar", "none")
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "prompted")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
+DEFAULT_MAX_RUNNING_REQUESTS = 128  # rows of the request-to-token table when unset
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class ServerArgs:
     disable_jump_forward: bool = False  # decode grammar-forced text token by token
     tool_call_parser: str = "auto"  # auto (detected from the chat template), hermes, qwen25, qwen3, llama3, mistral, prompted
     reasoning_parser: str | None = None  # qwen3 or deepseek-r1: split <think> into reasoning_content
+    max_request_body_bytes: int = 16 * 1024 * 1024  # larger HTTP bodies get 413
+    cors_allow_origins: str | None = None  # comma-separated origins ("*" for any); CORS off when unset
+    slow_reader_timeout: float = 30.0  # a stream whose reader falls behind for this long is cut off
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -69,6 +73,10 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("max_request_body_bytes must be >= 1024")
+        if self.slow_reader_timeout <= 0:
+            raise ValueError("slow_reader_timeout must be > 0")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         if self.chunked_prefill_size is not None and (
@@ -113,6 +121,13 @@ class ServerArgs:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(
+                f"device {device!r} was asked for, but this torch build has no usable CUDA device "
+                f"(torch {torch.__version__}); use --device cpu or auto"
+            )
+        elif device != "cpu" and not device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
         on_gpu = device.startswith("cuda")
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
         backend = self.attention_backend

@@ -74,8 +74,10 @@ class Engine:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             dead = self.procs.dead_process()
             if dead:
-                logger.error("%s; failing in-flight requests", dead)
-                self.tm.fail_all(dead)
+                logger.error("%s; the engine fails in-flight and later requests and stops "
+                             "its other process", dead)
+                self.tm.fail_all(f"the engine is down: {dead}")
+                await asyncio.get_running_loop().run_in_executor(None, self.procs.shutdown)
                 return
 
     def _normalize(
@@ -130,20 +132,21 @@ class Engine:
     ) -> list[dict[str, Any]]:
         """``logprob``: ``(return_logprob, top_logprobs_num, logprob_start_len)``."""
         tasks = [asyncio.ensure_future(self._collect(ids, sp, logprob)) for ids, sp in prepared]
-        if progress:
-            from tqdm import tqdm
-
-            with tqdm(total=len(tasks), desc="generate", unit="req") as bar:
-                for fut in asyncio.as_completed(tasks):
-                    try:
-                        await fut
-                    finally:
-                        bar.update(1)
         try:
+            if progress:
+                from tqdm import tqdm
+
+                with tqdm(total=len(tasks), desc="generate", unit="req") as bar:
+                    for fut in asyncio.as_completed(tasks):
+                        await fut
+                        bar.update(1)
             return list(await asyncio.gather(*tasks))
         except BaseException:
+            # One request failed (or the caller gave up): abort the others in the scheduler
+            # instead of leaving them running, and wait until their aborts are sent.
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
     # ---- public API ----------------------------------------------------------------------

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import shutil
+import sys
 import tempfile
+import threading
 import time
+import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +39,35 @@ class IpcPaths:
         return f"ipc://{self.folder}/frontend"
 
 
+@contextlib.contextmanager
+def _user_main_hidden() -> Iterator[None]:
+    """Start children without re-importing the user's main module.
+
+    The spawn start method re-runs the parent's ``__main__`` file in each child (as
+    ``__mp_main__``) so that functions defined there can be unpickled.  Our targets and
+    arguments all live in the radixserve package, so the child needs none of it, and
+    re-running a script that builds an ``Engine`` at top level would start another engine
+    in the child.  ``Process.start`` reads ``sys.modules["__main__"]`` while it builds the
+    child's preparation data; an empty stand-in there gives the child nothing to import.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def _check_can_start_children() -> None:
+    if mp.current_process().daemon:
+        raise RuntimeError(
+            "radixserve cannot start its processes from a daemonic multiprocessing process "
+            f"({mp.current_process().name}); start the Engine or server in the main process "
+            "or in a non-daemonic child"
+        )
+
+
 class ProcessGroup:
     """The scheduler and detokenizer processes of one server or engine."""
 
@@ -47,12 +81,14 @@ class ProcessGroup:
         self.paths = IpcPaths(tempfile.mkdtemp(prefix="radixserve-"))
         self.procs: dict[str, mp.Process] = {}
         self.info: dict[str, Any] = {}
+        self._shutdown_lock = threading.Lock()  # a watchdog thread and the owner may both stop us
 
     def start(self) -> dict[str, Any]:
         """Start both processes; return the scheduler's model info once both are ready."""
         from radixserve.detokenizer import run_detokenizer_process
         from radixserve.scheduler.process import run_scheduler_process
 
+        _check_can_start_children()
         ctx = mp.get_context("spawn")
         tokenizer_path = self.args.tokenizer or self.model_path
         sched_r, sched_w = ctx.Pipe(duplex=False)
@@ -70,8 +106,9 @@ class ProcessGroup:
             daemon=True,
         )
         try:
-            for proc in self.procs.values():
-                proc.start()
+            with _user_main_hidden():
+                for proc in self.procs.values():
+                    proc.start()
             self.info = self._wait_ready("scheduler", sched_r)
             self._wait_ready("detokenizer", detok_r)
         except BaseException:
@@ -101,13 +138,15 @@ class ProcessGroup:
         return None
 
     def shutdown(self) -> None:
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs.values():
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2)
-        self.procs.clear()
-        shutil.rmtree(self.paths.folder, ignore_errors=True)
+        with self._shutdown_lock:
+            started = [p for p in self.procs.values() if p.pid is not None]
+            for proc in started:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in started:
+                proc.join(5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(2)
+            self.procs.clear()
+            shutil.rmtree(self.paths.folder, ignore_errors=True)

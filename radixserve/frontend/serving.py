@@ -96,7 +96,9 @@ class ServerState:
             now = time.perf_counter()
             n = len(piece["output_ids"])
             if n and ttft is None:
-                ttft = now - t0
+                # The first token's own time, also when it arrives with others (non-streaming
+                # requests, stream_interval > 1): the tokens after it are spread over the rest.
+                ttft = piece["meta_info"].get("ttft", now - t0)
                 self.metrics.on_first_token(ttft)
                 if n > 1:
                     self.metrics.on_tokens(now - t0 - ttft, n - 1)

@@ -41,20 +41,36 @@ def request_error(message: str, status: int) -> RequestError:
     return InvalidRequestError(message, status) if status == 400 else RequestError(message, status)
 
 
+# A stream whose consumer leaves more pieces than this unread is "behind"; behind for longer
+# than ``slow_reader_timeout`` seconds, it is cut off (its backlog dropped, the request aborted).
+STREAM_BACKLOG_PIECES = 64
+
+
 @dataclass
 class _ReqState:
+    rid: str  # the client's id (``meta_info.id``, ``/abort_request``)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    behind_since: float | None = None  # when the unread backlog last went over the limit
+    cut_off: bool = False
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, model_info: dict[str, Any], scheduler_addr: str, frontend_addr: str) -> None:
+    """Requests are keyed by an internal id, unique per submission, so that a client's
+    ``rid`` reused after an abort can never receive the earlier request's late replies;
+    ``by_rid`` maps the client's ids of running requests to them (one running request
+    per client id)."""
+
+    def __init__(self, tokenizer: Any, model_info: dict[str, Any], scheduler_addr: str, frontend_addr: str,
+                 slow_reader_timeout: float = 30.0) -> None:
         self.tokenizer = tokenizer
         self.info = model_info
         self.scheduler_addr = scheduler_addr
         self.frontend_addr = frontend_addr
-        self.states: dict[str, _ReqState] = {}
+        self.slow_reader_timeout = slow_reader_timeout
+        self.states: dict[str, _ReqState] = {}  # internal id -> state
+        self.by_rid: dict[str, str] = {}  # client's rid -> internal id
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
@@ -122,11 +138,15 @@ class TokenizerManager:
         """
         if self.dead_reason:
             raise RequestError(self.dead_reason, 503)
-        rid = rid or uuid.uuid4().hex
-        state = _ReqState()
-        self.states[rid] = state
+        key = uuid.uuid4().hex
+        rid = key if rid is None else rid
+        if rid in self.by_rid:
+            raise InvalidRequestError(f"a request with rid {rid!r} is already running", 400)
+        state = _ReqState(rid)
+        self.states[key] = state
+        self.by_rid[rid] = key
         msg = m.GenerateReq(
-            rid=rid,
+            rid=key,
             input_ids=input_ids,
             sampling_params=params.to_dict(),
             seed=params.seed if params.seed is not None else draw_seed(),
@@ -146,14 +166,22 @@ class TokenizerManager:
                 finished = item["finished"]
                 yield item
         finally:
-            self.states.pop(rid, None)
+            self.states.pop(key, None)
+            self.by_rid.pop(rid, None)
             if not finished:
-                await self.send_sock.send(m.encode(m.AbortReq(rid=rid)))
+                await self.send_sock.send(m.encode(m.AbortReq(rid=key)))
 
-    async def abort(self, rid: str) -> None:
-        await self.send_sock.send(m.encode(m.AbortReq(rid=rid)))
+    async def abort(self, rid: str) -> bool:
+        """Abort the running request with the client's id ``rid``; False if there is none."""
+        key = self.by_rid.get(rid)
+        if key is None:
+            return False
+        await self.send_sock.send(m.encode(m.AbortReq(rid=key)))
+        return True
 
     async def control(self, command: str, timeout: float = 30.0) -> dict[str, Any]:
+        if self.dead_reason:
+            raise RequestError(self.dead_reason, 503)
         cid = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[cid] = fut
@@ -185,7 +213,7 @@ class TokenizerManager:
                 self._route_str(msg)
             elif isinstance(msg, m.ErrorOut):
                 state = self.states.get(msg.rid)
-                if state is not None:
+                if state is not None and not state.cut_off:
                     state.queue.put_nowait(request_error(msg.message, msg.status))
             elif isinstance(msg, m.ControlOut):
                 fut = self.control_waiters.get(msg.cid)
@@ -194,16 +222,19 @@ class TokenizerManager:
 
     def _route_str(self, msg: m.StrOut) -> None:
         now = time.perf_counter()
-        for i, rid in enumerate(msg.rids):
-            state = self.states.get(rid)
-            if state is None:
+        for i, key in enumerate(msg.rids):
+            state = self.states.get(key)
+            if state is None or state.cut_off:
                 continue  # aborted by the client already
-            if state.first_token_at is None:
-                state.first_token_at = now
-            finished = msg.finished[i]
             meta = dict(msg.meta[i])
-            meta["id"] = rid
+            since_first = meta.pop("since_first_token", 0.0) or 0.0
+            if state.first_token_at is None and msg.new_ids[i]:
+                state.first_token_at = now - since_first
+            finished = msg.finished[i]
+            meta["id"] = state.rid
             meta["finish_reason"] = finished
+            if state.first_token_at is not None:
+                meta["ttft"] = state.first_token_at - state.created
             if finished is not None:
                 meta["e2e_latency"] = now - state.created
             item: dict[str, Any] = {
@@ -219,3 +250,25 @@ class TokenizerManager:
                 item["input_logprobs"] = msg.input_logprobs[i]
                 item["input_top_logprobs"] = msg.input_top_logprobs[i]
             state.queue.put_nowait(item)
+            self._check_backlog(key, state, now)
+
+    def _check_backlog(self, key: str, state: _ReqState, now: float) -> None:
+        """Bound what a slow stream reader can pile up: a reader behind for too long loses
+        its backlog and gets an error, and the request is aborted in the scheduler."""
+        if state.queue.qsize() <= STREAM_BACKLOG_PIECES:
+            state.behind_since = None
+            return
+        if state.behind_since is None:
+            state.behind_since = now
+            return
+        if now - state.behind_since < self.slow_reader_timeout:
+            return
+        while not state.queue.empty():
+            state.queue.get_nowait()
+        state.cut_off = True
+        logger.warning("request %s: the client read nothing for %.0f s; aborted", state.rid,
+                       now - state.behind_since)
+        state.queue.put_nowait(RequestError(
+            f"the client fell more than {STREAM_BACKLOG_PIECES} pieces behind the stream for "
+            f"{self.slow_reader_timeout:g} s; the request was aborted", 408))
+        self.send_sock.send(m.encode(m.AbortReq(rid=key)))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 
 import torch
 from tqdm import tqdm
@@ -77,6 +78,23 @@ def _make_readable(folder: str) -> None:
         os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers draws its own progress bars while it reads a GGUF (one of them with
+    ``tqdm.auto`` directly, which its progress-bar switch does not reach): keep them off the
+    terminal, where ours already reports the conversion.  Logging keeps its own stream."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def convert_gguf(gguf_path: str, target: str) -> None:
     """Dequantize ``gguf_path`` through transformers and write an HF folder at ``target``."""
     from safetensors.torch import save_file
@@ -93,7 +111,8 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     try:
         with tqdm(total=len(steps), desc=f"radixserve: converting {name}", unit="step") as bar:
             bar.set_postfix_str(steps[0])
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            with _quiet_transformers():
+                model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
             bar.update(1)
 
             bar.set_postfix_str(steps[1])
@@ -113,7 +132,8 @@ def convert_gguf(gguf_path: str, target: str) -> None:
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
             model.generation_config.to_json_file(os.path.join(tmp, "generation_config.json"))
-            AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+            with _quiet_transformers():
+                AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
             bar.update(1)
 
             bar.set_postfix_str(steps[3])

@@ -77,6 +77,7 @@ class Req:
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.perf_counter()
         self.queue_time: float | None = None  # seconds from arrival to first admission
+        self.first_token_time: float | None = None  # perf_counter() at the first output token
         # KV bookkeeping (see class docstring)
         self.row: int | None = None
         self.kv_len = 0
@@ -120,6 +121,8 @@ class Req:
             grown[:n] = self._tokens
             self._tokens = grown
         self._tokens[n] = token
+        if not self.output_ids:
+            self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
 
     @property

@@ -14,7 +14,7 @@ from radixserve.cache.allocator import PageAllocator
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
-from radixserve.config import ServerArgs
+from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
 from radixserve.messages import ErrorOut, GenerateReq, TokenOut
 from radixserve.sampling import SamplingParams
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-DEFAULT_MAX_RUNNING_REQUESTS = 128
 MAX_AUTO_POOL_TOKENS = 1 << 17
 
 
@@ -367,6 +366,7 @@ class Scheduler:
         if not rows:
             return None
         out = TokenOut(rids=[], new_ids=[], finished=[], meta=[], init=[], logprobs=[], top_logprobs=[])
+        now = time.perf_counter()
         for req in rows:
             out.rids.append(req.rid)
             out.new_ids.append(req.output_ids[req.sent_len :])
@@ -378,6 +378,9 @@ class Scheduler:
                     "cached_tokens": req.cached_tokens or 0,
                     "completion_tokens": req.output_len,
                     "queue_time": req.queue_time,
+                    # Lets the front end place the first token in time when it receives
+                    # several at once (non-streaming requests, stream_interval > 1).
+                    "since_first_token": now - req.first_token_time if req.first_token_time else 0.0,
                 }
             )
             if req.sent_init:
