@@ -44,7 +44,7 @@ class ServerArgs:
     port: int = 30000  # HTTP server port
     served_model_name: str | None = None  # name in /v1/models; defaults to the model folder's
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503
-    api_key: str | None = None  # when set, HTTP requests need "Authorization: Bearer <key>"
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # HTTP requests need "Authorization: Bearer <key>"
     startup_timeout: float = 600.0  # seconds to wait for the model to load
     grammar_backend: str = "xgrammar"  # constrained decoding (json_schema/regex/ebnf); "none" refuses them
     disable_jump_forward: bool = False  # decode grammar-forced text token by token

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
@@ -95,7 +96,9 @@ class ProcessGroup:
         detok_r, detok_w = ctx.Pipe(duplex=False)
         self.procs["scheduler"] = ctx.Process(
             target=run_scheduler_process,
-            args=(self.args, self.model_path, self.paths.scheduler, self.paths.detokenizer, sched_w),
+            # The key is the HTTP front end's business only: the scheduler never holds it.
+            args=(dataclasses.replace(self.args, api_key=None), self.model_path, self.paths.scheduler,
+                  self.paths.detokenizer, sched_w),
             name="radixserve-scheduler",
             daemon=True,
         )

@@ -1,28 +1,35 @@
 """The HTTP server: FastAPI app on uvicorn in front of the scheduler and detokenizer processes.
 
-Start-up: the launcher starts both processes and waits until the model is loaded, only then
-does uvicorn bind the port, so ``/health`` answers 200 as soon as anything answers.  A
-watchdog stops the server with exit code 1 when either process dies; SIGTERM / Ctrl-C stop
-accepting, give in-flight requests a few seconds, abort the rest and exit 0.
+Start-up: once the settings and model path are checked, the port is bound, so a port in use
+is a one-line error before anything loads, and nothing can take the port while the model
+loads; the launcher starts both processes and waits until the model is loaded, and only then
+does uvicorn serve on that socket (connections made meanwhile wait in its backlog), so
+``/health`` answers 200 as soon as anything answers.  A watchdog stops the server with exit
+code 1 when either process dies; SIGTERM / Ctrl-C stop accepting, give in-flight requests a
+few seconds, abort the rest and exit 0.  What one request may cost (sizes, nesting, requests
+in flight, the API key, CORS) is ``limits.py``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import resource
 import signal
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from radixserve.config import ServerArgs
 from radixserve.frontend.chat_api import router as chat_router
-from radixserve.frontend.errors import error_body, install_error_handlers
+from radixserve.frontend.errors import install_error_handlers
+from radixserve.frontend.limits import MAX_INCOMPLETE_HEAD_BYTES, install_limits
 from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
 from radixserve.frontend.responses import JSONBytesResponse
@@ -35,6 +42,7 @@ from radixserve.tokenizer import load_tokenizer
 logger = logging.getLogger("radixserve.server")
 WATCHDOG_INTERVAL_S = 0.5
 GRACEFUL_SHUTDOWN_S = 5
+LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any], tokenizer: Any,
@@ -43,7 +51,8 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any], toke
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tm = TokenizerManager(tokenizer, info, procs.paths.scheduler, procs.paths.frontend)
+        tm = TokenizerManager(tokenizer, info, procs.paths.scheduler, procs.paths.frontend,
+                              slow_reader_timeout=args.slow_reader_timeout)
         await tm.start()
         state = ServerState(args=args, tm=tm, info=info, model_name=model_name,
                             pids={name: p.pid for name, p in procs.procs.items()})
@@ -75,22 +84,72 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any], toke
     app.include_router(chat_router)
     app.include_router(native_router)
 
-    if args.api_key:
-        expected = f"Bearer {args.api_key}"
-
-        @app.middleware("http")
-        async def check_key(request: Request, call_next: Any) -> Any:
-            if request.url.path != "/health" and request.headers.get("authorization") != expected:
-                return JSONResponse(error_body("invalid or missing API key", 401), 401)
-            return await call_next(request)
-
+    # The front end admits as many generation requests as the scheduler may hold (running
+    # plus queued); beyond that a flood is refused before bodies are read or tokenized.
+    max_in_flight = None
+    if args.max_queued_requests is not None:
+        max_in_flight = args.max_queued_requests + info["max_running_requests"]
+    install_limits(app, max_body_bytes=args.max_request_body_bytes, max_in_flight=max_in_flight,
+                   api_key=args.api_key, cors_allow_origins=args.cors_allow_origins)
     return app
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening; ValueError (one line) if it cannot be."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"cannot serve on host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use; stop what is listening there or "
+                             "choose another port with --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def raise_open_file_limit(want: int = 65536) -> None:
+    """Every connection is a file descriptor: raise the soft limit towards the hard one, so
+    that a flood of connections is answered (503) rather than left unaccepted."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-file limit from %d to %d: %s", soft, target, e)
+
+
+class _Server(uvicorn.Server):
+    """Logs where it serves once it does (uvicorn stays silent when handed a socket)."""
+
+    def __init__(self, config: uvicorn.Config, serving_line: str) -> None:
+        super().__init__(config)
+        self.serving_line = serving_line
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            logger.info("%s", self.serving_line)
 
 
 def run_server(args: ServerArgs) -> int:
     """Serve until SIGTERM / Ctrl-C (exit 0) or until a process dies (exit 1)."""
     configure_logging("server", args.log_level)
-    procs = ProcessGroup(args)
+    procs = ProcessGroup(args)  # settings and model path checked; nothing started or loaded yet
+    try:
+        sock = bind_port(args.host, args.port)
+    except ValueError:
+        procs.shutdown()  # removes its socket folder
+        raise
+    raise_open_file_limit()
     exit_code = 0
     try:
         info = procs.start()
@@ -104,20 +163,25 @@ def run_server(args: ServerArgs) -> int:
                 server.should_exit = True
 
         app = create_app(procs.args, procs, info, tokenizer, on_dead)
+        # h11 explicitly: the head-size limit below is h11's (httptools, when installed,
+        # would be chosen by "auto" and has none).
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+            app, log_level=args.log_level.lower(), http="h11",
+            h11_max_incomplete_event_size=MAX_INCOMPLETE_HEAD_BYTES,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False,
         )
-        server = uvicorn.Server(config)
+        host, port = sock.getsockname()[:2]
+        url_host = f"[{host}]" if ":" in host else host
+        server = _Server(config, f"serving {procs.model_path} on http://{url_host}:{port}")
         # uvicorn re-raises the signal that stopped it once it has shut down; with these
         # handlers in place that re-raise is a no-op and the processes below are cleaned up.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
-        logger.info("serving %s on http://%s:%d", procs.model_path, args.host, args.port)
-        server.run()
+        server.run(sockets=[sock])
         if exit_code == 0 and not server.started:
-            exit_code = 1  # e.g. the port was taken
+            exit_code = 1
     finally:
+        sock.close()
         procs.shutdown()
     logger.info("server stopped (exit code %d)", exit_code)
     return exit_code

@@ -123,7 +123,10 @@ class Scheduler:
         except ValueError as e:
             return ErrorOut(rid=msg.rid, message=str(e), status=400)
         limit = self.args.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
+        # Requests that arrived this step wait until the next admission even when a running
+        # place is free for them: only those beyond the free places count as queued.
+        free_places = self.max_running - len(self.running) - (1 if self.chunked else 0)
+        if limit is not None and len(self.waiting) - max(free_places, 0) >= limit:
             return ErrorOut(
                 rid=msg.rid,
                 message=f"the request queue is full ({limit} waiting); retry later",
