@@ -9,6 +9,7 @@ cut before the stop string (unless ``no_stop_trim``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -104,22 +105,94 @@ class IncrementalDetokenizer:
         )
 
 
-def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, ready_pipe: Any) -> None:
+def _rows_without(out: m.TokenOut, skip: set[str]) -> m.TokenOut:
+    """``out`` without the rows of the rids in ``skip`` (parallel lists filtered alike)."""
+    keep = [i for i, rid in enumerate(out.rids) if rid not in skip]
+    rows = {}
+    for f in dataclasses.fields(out):
+        value = getattr(out, f.name)
+        # Optional row lists (logprobs...) may be empty instead of one entry per row.
+        rows[f.name] = [value[i] for i in keep] if len(value) == len(out.rids) else value
+    return m.TokenOut(**rows)
+
+
+class DetokenizerLoop:
+    """What the process does with each incoming frame; returns the frames to send on.
+
+    The boundary of the process: a malformed frame is logged and dropped; a TokenOut whose
+    processing raises is logged with its traceback and every request in it is answered with
+    an ErrorOut (500) instead, its state dropped, and its later rows (the scheduler keeps
+    generating until the front end's abort arrives) skipped until the request ends.
+    """
+
+    def __init__(self, detok: IncrementalDetokenizer) -> None:
+        self.detok = detok
+        self.failed: set[str] = set()  # rids answered with an error whose end has not come
+
+    def handle(self, data: bytes) -> list[bytes]:
+        try:
+            msg = m.decode(data)
+        except Exception as e:  # ValueError: not JSON, or not a well-typed message
+            logger.error("detokenizer dropped a malformed message: %s", e)
+            return []
+        if isinstance(msg, m.TokenOut):
+            return self._token_out(msg)
+        if isinstance(msg, m.ErrorOut):
+            answered = msg.rid in self.failed
+            self._forget(msg.rid)  # the request ended in the scheduler
+            if answered:  # its client has had its one terminal message already
+                return []
+        return [data]  # errors, control replies: pass through unchanged
+
+    def _token_out(self, msg: m.TokenOut) -> list[bytes]:
+        try:
+            skip = {rid for rid in msg.rids if rid in self.failed}
+            if skip:
+                for rid, finished in zip(msg.rids, msg.finished, strict=True):
+                    if rid in skip and finished is not None:
+                        self.failed.discard(rid)  # its last row: nothing more will come
+                msg = _rows_without(msg, skip)
+                if not msg.rids:
+                    return []
+            return [m.encode(self.detok.process(msg))]
+        except Exception as e:
+            frames = self._fail(msg, f"internal error in the detokenizer: {e!r}")
+            logger.exception("detokenizer failed on a message; %d request(s) answered with an error",
+                             len(frames))
+            return frames
+
+    def _fail(self, msg: m.TokenOut, reason: str) -> list[bytes]:
+        frames = []
+        for rid, finished in zip(msg.rids, msg.finished, strict=True):  # decode lined them up
+            self._forget(rid)
+            if finished is None:
+                self.failed.add(rid)
+            frames.append(m.encode(m.ErrorOut(rid=rid, message=reason, status=500)))
+        return frames
+
+    def _forget(self, rid: str) -> None:
+        self.detok.states.pop(rid, None)
+        self.failed.discard(rid)
+
+
+def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, ready_pipe: Any,
+                            log_level: str | None = None) -> None:
     """Process entry: PULL TokenOut from the scheduler, PUSH StrOut to the front end."""
     from radixserve.logging_utils import (
         configure_logging,
+        exit_on_sigterm,
         ignore_interrupts,
         open_pipeline_sockets,
         parent_alive,
     )
 
     ignore_interrupts()
-
-    configure_logging("detokenizer")
+    configure_logging("detokenizer", log_level)
+    exit_on_sigterm("detokenizer")
     try:
         from radixserve.tokenizer import load_tokenizer
 
-        detok = IncrementalDetokenizer(load_tokenizer(tokenizer_path))
+        loop = DetokenizerLoop(IncrementalDetokenizer(load_tokenizer(tokenizer_path)))
         recv, send = open_pipeline_sockets(in_addr, out_addr)
     except Exception as e:  # reported to the launcher, which fails the start with it
         logger.exception("detokenizer failed to start")
@@ -129,12 +202,9 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
     parent = os.getppid()
     while True:
         if not parent_alive(parent):
+            logger.info("launcher is gone; detokenizer exits")
             return
         if not recv.poll(1000):
             continue
-        data = recv.recv()
-        msg = m.decode(data)
-        if isinstance(msg, m.TokenOut):
-            send.send(m.encode(detok.process(msg)))
-        else:  # errors, control replies: pass through unchanged
-            send.send(data)
+        for frame in loop.handle(recv.recv()):
+            send.send(frame)

@@ -104,7 +104,7 @@ class ProcessGroup:
         )
         self.procs["detokenizer"] = ctx.Process(
             target=run_detokenizer_process,
-            args=(tokenizer_path, self.paths.detokenizer, self.paths.frontend, detok_w),
+            args=(tokenizer_path, self.paths.detokenizer, self.paths.frontend, detok_w, self.args.log_level),
             name="radixserve-detokenizer",
             daemon=True,
         )

@@ -28,6 +28,20 @@ def ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def exit_on_sigterm(process: str) -> None:
+    """SIGTERM (the launcher stopping us, e.g. because the other process died) exits at once,
+    as its default action would, but with a log line saying so."""
+
+    def stop(signum: int, frame: object) -> None:
+        logging.getLogger("radixserve").info("%s stops: asked to by the launcher (SIGTERM)", process)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # then die of it: exit code -15, as before
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def open_pipeline_sockets(in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket]:
     """A PULL socket bound at ``in_addr`` and a PUSH socket connected to ``out_addr``.
 

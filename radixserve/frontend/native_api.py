@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixserve import __version__
 from radixserve.frontend.errors import APIError
+from radixserve.frontend.openai_common import SSE_DONE, guarded_stream
 from radixserve.frontend.protocol import AbortRequest, GenerateRequest
 from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
@@ -65,16 +66,19 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         it = pieces.__aiter__()
         first = await it.__anext__()  # errors answer with their status before streaming
 
-        async def sse() -> AsyncIterator[bytes]:
+        async def rest() -> AsyncIterator[bytes]:
             # Each event carries the text and ids so far (SGLang's native stream format).
             acc: list[dict[str, Any]] = [first]
-            yield b"data: " + orjson.dumps(_result(merge_pieces(acc))) + b"\n\n"
-            async for piece in it:
-                acc.append(piece)
-                yield b"data: " + orjson.dumps(_result(merge_pieces(acc))) + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            try:
+                async for piece in it:
+                    acc.append(piece)
+                    yield b"data: " + orjson.dumps(_result(merge_pieces(acc))) + b"\n\n"
+            finally:
+                await it.aclose()  # the request is aborted if the stream stops early
+            yield SSE_DONE
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        first_event = b"data: " + orjson.dumps(_result(merge_pieces([first]))) + b"\n\n"
+        return StreamingResponse(guarded_stream(first_event, rest()), media_type="text/event-stream")
     rids = [body.rid if not batched else None] * n
     results = await asyncio.gather(*[
         collect(st.stream(ids, params, stream=False, logprob=body.return_logprob,

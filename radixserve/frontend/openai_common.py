@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,8 +13,13 @@ import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from radixserve.frontend.errors import error_body
 from radixserve.frontend.serving import ServerState
+from radixserve.frontend.tokenizer_manager import RequestError
 from radixserve.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def server_state(request: Request) -> ServerState:
@@ -47,8 +53,12 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[
 
 
 async def fan_in(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several requests' pieces as ``(index, piece)``; an error ends everything."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """Interleave several requests' pieces as ``(index, piece)``; an error ends everything.
+
+    The queue is bounded: when the consumer stops reading (a slow client), the pumps stop
+    too, so the backlog stays in the tokenizer manager's queues, which cut off a reader that
+    stays behind (``slow_reader_timeout``)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, s: AsyncIterator[dict[str, Any]]) -> None:
         try:
@@ -72,17 +82,42 @@ async def fan_in(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[
             t.cancel()
 
 
+def stream_error_event(e: Exception) -> bytes:
+    """The SSE event that ends a stream which failed after it started: OpenAI's shape
+    (``{"error": {message, type, param, code}}``, which the ``openai`` client raises as
+    ``APIError``).  Logged here: the client may not be there to read it."""
+    if isinstance(e, RequestError):
+        message, status = str(e), e.status
+        logger.warning("a stream ended with an error (%d): %s", status, message)
+    else:
+        message, status = f"internal error: {e!r}", 500
+        logger.error("a stream ended with an internal error", exc_info=e)
+    return sse_event({"error": error_body(message, status)["error"]})
+
+
+async def guarded_stream(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first``, then ``rest``; an error after the stream started ends it with an error
+    event and ``[DONE]`` instead of a connection broken mid-chunk.  However it ends (client
+    gone included), ``rest`` is closed, which aborts its requests still running."""
+    try:
+        yield first
+        try:
+            async for chunk in rest:
+                yield chunk
+        except Exception as e:  # not CancelledError: a client gone just stops
+            yield stream_error_event(e)
+            yield SSE_DONE
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 async def start_stream(gen: AsyncIterator[bytes]) -> StreamingResponse:
     """Run the generator to its first chunk before answering, so errors keep their status."""
     it = gen.__aiter__()
     first = await it.__anext__()
-
-    async def body() -> AsyncIterator[bytes]:
-        yield first
-        async for chunk in it:
-            yield chunk
-
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return StreamingResponse(guarded_stream(first, it), media_type="text/event-stream")
 
 
 def token_text(st: ServerState, tok: int) -> str:

@@ -155,20 +155,22 @@ class TokenizerManager:
             stream=stream,
             logprob_start_len=logprob_start_len,
         )
-        finished = False
+        finished = False  # the scheduler sent this request's terminal row
         try:
             await self.send_sock.send(m.encode(msg))
             while not finished:
                 item = await state.queue.get()
                 if isinstance(item, RequestError):
-                    finished = True
+                    # Raised by the scheduler (the request is gone there) or on the way
+                    # (detokenizer, slow reader, a dead process): the abort below makes sure
+                    # the scheduler stops it; it ignores ids it does not hold.
                     raise item
                 finished = item["finished"]
                 yield item
         finally:
             self.states.pop(key, None)
             self.by_rid.pop(rid, None)
-            if not finished:
+            if not finished and not self.dead_reason:
                 await self.send_sock.send(m.encode(m.AbortReq(rid=key)))
 
     async def abort(self, rid: str) -> bool:

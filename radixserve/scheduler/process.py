@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -40,13 +41,69 @@ def _handle(sched: Any, msg: Any, send: zmq.Socket) -> None:
         logger.error("scheduler got an unexpected message %r", type(msg).__name__)
 
 
-def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str) -> None:
-    """After an internal error, answer every live request with an error and drop it."""
-    for rid in list(sched.reqs):
+def handle_frame(sched: Any, data: bytes, send: zmq.Socket) -> None:
+    """One incoming frame, behind the process's exception boundary.
+
+    A frame that does not decode is logged and dropped; a message whose handling raises
+    (anything, not only ValueError) is logged with its traceback and answered where it can
+    be: a request with an ErrorOut (500), a control call with an ``error`` result.
+    """
+    try:
+        msg = m.decode(data)
+    except Exception as e:  # ValueError: not JSON, or not a well-typed message
+        logger.error("dropped a malformed message: %s", e)
+        return
+    try:
+        _handle(sched, msg, send)
+    except Exception as e:
+        logger.exception("handling a %r message failed", type(msg).TYPE)
+        reason = f"internal error in the scheduler: {e!r}"
+        if isinstance(msg, m.GenerateReq):
+            _drop(sched, msg.rid)
+            send.send(m.encode(m.ErrorOut(rid=msg.rid, message=reason, status=500)))
+        elif isinstance(msg, m.ControlReq):
+            send.send(m.encode(m.ControlOut(cid=msg.cid, result={"error": reason})))
+
+
+def _drop(sched: Any, rid: str) -> None:
+    """Forget a request the scheduler may hold, freeing its pages, without an output row."""
+    req = sched.reqs.get(rid)
+    if req is None:
+        return
+    try:
         sched.abort(rid)
+    except Exception:  # the request's state is broken: forget it all the same
+        logger.exception("could not abort request %s cleanly", rid)
+    if req in sched._aborted:
+        sched._aborted.remove(req)
+    sched.reqs.pop(rid, None)
+
+
+def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str, also: Sequence[str] = ()) -> None:
+    """After an internal error, answer every live request (and the rids in ``also``, whose
+    output could not be sent) with an error and drop it."""
+    rids = dict.fromkeys([*sched.reqs, *also])
+    for rid in rids:
+        _drop(sched, rid)
         send.send(m.encode(m.ErrorOut(rid=rid, message=reason, status=500)))
     sched._aborted.clear()
     sched.reqs.clear()
+
+
+def _run_step(sched: Any, send: zmq.Socket) -> None:
+    """One scheduler step and the sending of its output; an error fails what is in flight."""
+    unsent: list[str] = []  # rids of a step output that could not be sent
+    try:
+        out = sched.step()
+        if out is not None:
+            unsent = list(out.rids)
+            send.send(m.encode(out))
+            unsent = []
+        for err in sched.take_errors():
+            send.send(m.encode(err))
+    except Exception as e:  # logged and answered: every in-flight request gets an error
+        logger.exception("scheduler step failed")
+        _fail_in_flight(sched, send, f"internal error in the scheduler: {e!r}", also=unsent)
 
 
 def run_scheduler_process(
@@ -54,14 +111,15 @@ def run_scheduler_process(
 ) -> None:
     from radixserve.logging_utils import (
         configure_logging,
+        exit_on_sigterm,
         ignore_interrupts,
         open_pipeline_sockets,
         parent_alive,
     )
 
     ignore_interrupts()
-
     configure_logging("scheduler", args.log_level)
+    exit_on_sigterm("scheduler")
     try:
         import torch
 
@@ -99,26 +157,17 @@ def run_scheduler_process(
                 data = recv.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            try:
-                _handle(sched, m.decode(data), send)
-            except ValueError as e:
-                logger.error("dropped a malformed message: %s", e)
+            handle_frame(sched, data, send)
         if not sched.has_work:
             continue
-        try:
-            out = sched.step()
-        except Exception as e:  # logged and answered: every in-flight request gets an error
-            logger.exception("scheduler step failed")
-            _fail_in_flight(sched, send, f"internal error in the scheduler: {e!r}")
-            continue
-        if out is not None:
-            send.send(m.encode(out))
-        for err in sched.take_errors():
-            send.send(m.encode(err))
+        _run_step(sched, send)
         if sched.only_compiling:  # wait for a grammar without spinning (or for new input)
             recv.poll(2)
         if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
-            last_gen = _log_stats(sched, time.monotonic() - last_log, last_gen)
+            try:
+                last_gen = _log_stats(sched, time.monotonic() - last_log, last_gen)
+            except Exception:  # a statistics bug must not stop the serving
+                logger.exception("could not log the statistics")
             last_log = time.monotonic()
 
 
