@@ -6,6 +6,7 @@ import asyncio
 
 import psutil
 import pytest
+from helpers.assertions import expected_cached_len
 
 from radixserve import Engine
 
@@ -35,31 +36,45 @@ def test_greedy_matches_hf_and_second_request_hits_cache(engine, default_model_p
     from helpers.oracle import hf_greedy
 
     prompts = [SYSTEM + "Question: where is the Eiffel tower?", SYSTEM + "Question: what is Rome famous for?"]
+    assert engine.flush_cache()  # the first prompt finds nothing in the tree
+    before = engine.get_stats()
     outs = []
     for p in prompts:
         outs.append(engine.generate(p, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}))
-    for p, out in zip(prompts, outs, strict=True):
-        ids = engine.tokenizer.encode(p, add_special_tokens=False)
-        assert out["output_ids"] == hf_greedy(default_model_path, ids, 12)
+    ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        assert out["output_ids"] == hf_greedy(default_model_path, prompt_ids, 12)
         assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
         meta = out["meta_info"]
-        assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 12
+        assert meta["prompt_tokens"] == len(prompt_ids) and meta["completion_tokens"] == 12
         assert meta["finish_reason"]["type"] == "length"
-    shared = len(engine.tokenizer.encode(SYSTEM + "Question: wh", add_special_tokens=False))
-    assert outs[1]["meta_info"]["cached_tokens"] >= shared - 2
+    # The tree holds the first request's KV: its prompt and all but its last output token
+    # (never fed back); the second request is served the prefix both prompts share.
+    first_kv = ids[0] + outs[0]["output_ids"][:-1]
+    shared = expected_cached_len(ids[1], [first_kv], engine.info["page_size"])
+    assert shared > len(ids[0]) // 2  # the long system prompt
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, shared]
     stats = engine.get_stats()
-    assert stats["cached_tokens"] > 0 and 0 < stats["cache_hit_rate"] < 1
+    assert stats["cached_tokens"] - before["cached_tokens"] == shared
+    assert stats["prompt_tokens"] - before["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    assert stats["cache_hit_rate"] == stats["cached_tokens"] / stats["prompt_tokens"]
 
 
 def test_batch_input_ids_and_order(engine) -> None:
     prompts = ["One, two, three,", "The sky is", "Paris is the capital of"]
-    params = [{"max_new_tokens": n, "temperature": 0} for n in (3, 5, 7)]
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (3, 5, 7)]
     outs = engine.generate(prompts, params)
-    assert [o["meta_info"]["completion_tokens"] <= n for o, n in zip(outs, (3, 5, 7), strict=True)]
+    # Results come back in request order: each carries its own prompt and max_new_tokens.
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [
+        len(engine.tokenizer.encode(p, add_special_tokens=False)) for p in prompts
+    ]
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 5, 7]
+    assert [len(o["output_ids"]) for o in outs] == [3, 5, 7]
     single = engine.generate(prompts[2], params[2])
     assert outs[2]["output_ids"] == single["output_ids"]
     by_ids = engine.generate(input_ids=[engine.tokenizer.encode(p) for p in prompts], sampling_params=params[2])
-    assert len(by_ids) == 3 and by_ids[2]["output_ids"][:1] == single["output_ids"][:1]
+    assert [o["meta_info"]["completion_tokens"] for o in by_ids] == [7, 7, 7]
+    assert by_ids[2]["output_ids"] == single["output_ids"]
 
 
 def test_stream_joins_to_the_full_text(engine) -> None:
@@ -74,17 +89,20 @@ def test_stream_joins_to_the_full_text(engine) -> None:
 
 
 def test_async_generate_and_async_stream(engine) -> None:
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
     async def main():
         a, b = await asyncio.gather(
-            engine.async_generate("Hello, my name is", {"max_new_tokens": 6, "temperature": 0}),
-            engine.async_generate("The weather today", {"max_new_tokens": 6, "temperature": 0}),
+            engine.async_generate("Hello, my name is", params),
+            engine.async_generate("The weather today", params),
         )
-        stream = await engine.async_generate("Hello, my name is", {"max_new_tokens": 6, "temperature": 0}, stream=True)
+        stream = await engine.async_generate("Hello, my name is", params, stream=True)
         text = "".join([p["text"] async for p in stream])
         return a, b, text
 
     a, b, text = asyncio.run(main())
-    assert a["meta_info"]["completion_tokens"] >= 1 and b["meta_info"]["completion_tokens"] >= 1
+    assert a["meta_info"]["completion_tokens"] == b["meta_info"]["completion_tokens"] == 6
+    assert b["output_ids"] == engine.generate("The weather today", params)["output_ids"]
     assert text == a["text"]
 
 
@@ -142,8 +160,8 @@ def test_logprobs(engine) -> None:
 def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, kwargs, fragment) -> None:
     with pytest.raises(ValueError, match=fragment):
         engine.generate(**kwargs)
-    out = engine.generate("Hello", {"max_new_tokens": 2, "temperature": 0})
-    assert out["meta_info"]["completion_tokens"] >= 1
+    out = engine.generate("Hello", {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 2
 
 
 def test_shutdown_leaves_no_process(default_model_path) -> None:

@@ -8,6 +8,7 @@ import json
 import httpx
 import openai
 import pytest
+from helpers.assertions import expected_cached_len
 from helpers.server import (
     memory_checked_after_each_test,
     openai_client,
@@ -28,6 +29,13 @@ def client(server) -> openai.OpenAI:
     return openai_client(server)
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_chat_model):
+    from radixserve.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_chat_model)
+
+
 memory_invariant = memory_checked_after_each_test("server")
 
 
@@ -37,18 +45,33 @@ def test_models_and_health(server, client) -> None:
     assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200
 
 
-def test_chat_completion_and_cached_tokens(client) -> None:
+def chat_prompt_ids(tokenizer, msgs: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_completion_and_cached_tokens(server, client, tokenizer) -> None:
+    assert httpx.post(server.base_url + "/flush_cache").status_code == 200
+    page_size = server_info(server)["model_info"]["page_size"]
+    kwargs = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is Rome?"}]
-    first = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    first_ids = chat_prompt_ids(tokenizer, msgs)
+    first = client.chat.completions.create(messages=msgs, **kwargs)
     assert first.object == "chat.completion"
     assert first.choices[0].message.role == "assistant"
-    assert first.choices[0].finish_reason in ("stop", "length")
-    assert first.usage.prompt_tokens > 40
-    assert first.usage.completion_tokens >= 1
-    assert first.usage.prompt_tokens_details.cached_tokens >= 0
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage.prompt_tokens == len(first_ids)
+    assert first.usage.completion_tokens == 8
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # the tree was just flushed
     msgs[1]["content"] = "And where is Oslo?"
-    second = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens > 40
+    second_ids = chat_prompt_ids(tokenizer, msgs)
+    second = client.chat.completions.create(messages=msgs, **kwargs)
+    assert second.usage.prompt_tokens == len(second_ids)
+    # The tree holds the first prompt (and output); the second is served the system part
+    # both share, up to the user's words, in whole pages.
+    shared = expected_cached_len(second_ids, [first_ids], page_size)
+    assert shared > 40
+    assert second.usage.prompt_tokens_details.cached_tokens == shared
 
 
 def test_chat_stream_is_well_formed(client) -> None:
@@ -70,11 +93,13 @@ def test_chat_stream_is_well_formed(client) -> None:
 
 def test_n_choices_seeds_and_stop(client) -> None:
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Count to ten."}], max_tokens=10)
-    a = client.chat.completions.create(n=2, seed=7, temperature=1.0, **kwargs)
-    b = client.chat.completions.create(n=2, seed=7, temperature=1.0, **kwargs)
+    sampled = dict(n=2, seed=7, temperature=1.0, extra_body={"ignore_eos": True}, **kwargs)
+    a = client.chat.completions.create(**sampled)
+    b = client.chat.completions.create(**sampled)
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
-    assert a.usage.completion_tokens == sum(1 for _ in a.choices) * 10 or a.usage.completion_tokens <= 20
+    assert [c.finish_reason for c in a.choices] == ["length", "length"]
+    assert a.usage.completion_tokens == 2 * 10
     greedy = client.chat.completions.create(temperature=0, **kwargs).choices[0].message.content
     assert len(greedy) > 4
     stop = greedy[2:5]
@@ -93,13 +118,14 @@ def test_completions_routes(client) -> None:
     ids = client.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=3, temperature=0)
     assert ids.usage.prompt_tokens == 4
     lp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
-    assert len(lp.choices[0].logprobs.tokens) == 3 and len(lp.choices[0].logprobs.top_logprobs[0]) >= 1
+    assert len(lp.choices[0].logprobs.tokens) == 3
+    assert [len(top) for top in lp.choices[0].logprobs.top_logprobs] == [2, 2, 2]
     streamed = client.completions.create(model="tiny", prompt="The sea", max_tokens=5, temperature=0, stream=True)
     text = "".join(c.choices[0].text for c in streamed if c.choices)
     assert text == out.choices[1].text
 
 
-def test_chat_logprobs_and_logit_bias(client) -> None:
+def test_chat_logprobs_and_logit_bias(client, tokenizer) -> None:
     out = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
         logprobs=True, top_logprobs=2,
@@ -111,7 +137,7 @@ def test_chat_logprobs_and_logit_bias(client) -> None:
         logit_bias={"1000": 100}, logprobs=True,
     )
     tokens = [c.token for c in biased.choices[0].logprobs.content]
-    assert len(set(tokens)) == 1
+    assert tokens == [tokenizer.decode([1000])] * 3
 
 
 def test_logit_bias_forces_token(server) -> None:
@@ -128,8 +154,10 @@ def test_native_generate(server) -> None:
     assert r.status_code == 200 and len(body["output_ids"]) == 6
     assert body["meta_info"]["completion_tokens"] == 6 and body["meta_info"]["finish_reason"]["type"] == "length"
     batch = httpx.post(server.base_url + "/generate", json={
-        "input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 2}}, timeout=30).json()
-    assert len(batch) == 2
+        "input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}},
+        timeout=30).json()
+    assert [b["meta_info"]["prompt_tokens"] for b in batch] == [3, 2]
+    assert [len(b["output_ids"]) for b in batch] == [2, 2]
     with httpx.stream("POST", server.base_url + "/generate", json={
             "text": "Once upon a time", "stream": True,
             "sampling_params": {"max_new_tokens": 6, "temperature": 0}}, timeout=30) as s:
@@ -166,14 +194,17 @@ def test_64_concurrent_streams(server) -> None:
         return await asyncio.gather(*[one(client, i) for i in range(64)])
 
     results = asyncio.run(main())
+    assert len(results) == 64
     for _text, usage, finishes in results:
-        assert 1 <= usage <= 16
-        assert sum(f is not None for f in finishes) == 1 and finishes[-1] is not None
+        assert sum(f is not None for f in finishes) == 1 and finishes[-1] in ("stop", "length")
+        # max_tokens ends the output at 16 tokens exactly; the end-of-sequence token earlier.
+        assert usage == 16 if finishes[-1] == "length" else 1 <= usage < 16
     info = wait_idle(server)
     assert info["memory"]["ok"]
 
 
 def test_client_disconnect_frees_pages(server, client) -> None:
+    aborted_before = server_info(server)["stats"]["requests_aborted"]
     with httpx.stream("POST", server.base_url + "/v1/completions", json={
             "model": "tiny", "prompt": "A very long story begins", "max_tokens": 800,
             "stream": True, "ignore_eos": True}, timeout=30) as s:
@@ -184,9 +215,9 @@ def test_client_disconnect_frees_pages(server, client) -> None:
         assert busy["stats"]["running"] == 1
     info = wait_idle(server, timeout=10)
     assert info["memory"]["request_pages"] == 0
-    assert info["stats"]["requests_aborted"] >= 1
-    ok = client.completions.create(model="tiny", prompt="Still there?", max_tokens=2)
-    assert ok.usage.completion_tokens >= 1
+    assert info["stats"]["requests_aborted"] == aborted_before + 1
+    ok = client.completions.create(model="tiny", prompt="Still there?", max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
 
 
 def test_metrics_parse_and_move(server, client) -> None:
@@ -201,13 +232,19 @@ def test_metrics_parse_and_move(server, client) -> None:
                 out[key] = s.value
         return out
 
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
     before = scrape()
-    client.completions.create(model="tiny", prompt="metrics please", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(model="tiny", prompt="metrics please", max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
     after = scrape()
     assert all(k.startswith("radixserve:") for k in after)
-    assert after["radixserve:generation_tokens_total"] - before.get("radixserve:generation_tokens_total", 0) == 4
-    assert after["radixserve:prompt_tokens_total"] > before.get("radixserve:prompt_tokens_total", 0)
-    assert after["radixserve:requests_total{finish_reason=length}"] >= 1
-    assert after["radixserve:time_to_first_token_seconds_count"] > before.get("radixserve:time_to_first_token_seconds_count", 0)
-    assert after["radixserve:kv_pages_total"] > 0
-    assert "radixserve:num_running_requests" in after and "radixserve:cached_tokens_total" in after
+    assert moved("radixserve:generation_tokens_total") == 4
+    assert moved("radixserve:prompt_tokens_total") == out.usage.prompt_tokens
+    assert moved("radixserve:cached_tokens_total") == out.usage.prompt_tokens_details.cached_tokens
+    assert moved("radixserve:requests_total{finish_reason=length}") == 1
+    assert moved("radixserve:time_to_first_token_seconds_count") == 1
+    stats = server_info(server)["stats"]
+    assert after["radixserve:kv_pages_total"] == stats["total_pages"]
+    assert after["radixserve:num_running_requests"] == 0
