@@ -59,24 +59,10 @@ def handle_frame(sched: Any, data: bytes, send: zmq.Socket) -> None:
         logger.exception("handling a %r message failed", type(msg).TYPE)
         reason = f"internal error in the scheduler: {e!r}"
         if isinstance(msg, m.GenerateReq):
-            _drop(sched, msg.rid)
+            sched.drop(msg.rid)
             send.send(m.encode(m.ErrorOut(rid=msg.rid, message=reason, status=500)))
         elif isinstance(msg, m.ControlReq):
             send.send(m.encode(m.ControlOut(cid=msg.cid, result={"error": reason})))
-
-
-def _drop(sched: Any, rid: str) -> None:
-    """Forget a request the scheduler may hold, freeing its pages, without an output row."""
-    req = sched.reqs.get(rid)
-    if req is None:
-        return
-    try:
-        sched.abort(rid)
-    except Exception:  # the request's state is broken: forget it all the same
-        logger.exception("could not abort request %s cleanly", rid)
-    if req in sched._aborted:
-        sched._aborted.remove(req)
-    sched.reqs.pop(rid, None)
 
 
 def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str, also: Sequence[str] = ()) -> None:
@@ -84,10 +70,8 @@ def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str, also: Sequence[st
     output could not be sent) with an error and drop it."""
     rids = dict.fromkeys([*sched.reqs, *also])
     for rid in rids:
-        _drop(sched, rid)
+        sched.drop(rid)
         send.send(m.encode(m.ErrorOut(rid=rid, message=reason, status=500)))
-    sched._aborted.clear()
-    sched.reqs.clear()
 
 
 def _run_step(sched: Any, send: zmq.Socket) -> None:

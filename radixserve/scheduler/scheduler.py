@@ -160,6 +160,20 @@ class Scheduler:
         self.stats.requests_aborted += 1
         self._aborted.append(req)
 
+    def drop(self, rid: str) -> None:
+        """Forget a request without an output row (its error is answered by the caller),
+        freeing its pages; used after an internal error, when its state may be broken."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        try:
+            self.abort(rid)
+        except Exception:  # broken state: forget the request all the same
+            logger.exception("could not abort request %s cleanly", rid)
+        if req in self._aborted:
+            self._aborted.remove(req)
+        del self.reqs[rid]
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self._aborted)
