@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import signal
 import socket
 import statistics
 import sys
@@ -418,7 +419,9 @@ def start_server(args: argparse.Namespace, folder: str) -> Any:
     if model:
         flags += ["--model", model]
     print(f"starting the server: {' '.join(flags)}", flush=True)
-    return ServerProcess(*flags).wait_ready(args.startup_timeout)
+    srv = ServerProcess(*flags).wait_ready(args.startup_timeout)
+    print(f"server {srv.base_url}, log {srv.log_path}", flush=True)
+    return srv
 
 
 async def soak(args: argparse.Namespace, srv: Any) -> dict[str, Any]:
@@ -469,8 +472,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM ends the run as Ctrl-C does, so the server started here is stopped too."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    _interrupt_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="radixserve-soak-") as folder:
         srv = start_server(args, folder)
         try:

@@ -1,8 +1,11 @@
 """Typed messages that cross process boundaries, serialized with orjson.
 
 Every message is a dataclass registered under a type tag.  ``encode`` writes
-``{"type": tag, **fields}``; ``decode`` checks the tag and the field names against the
-dataclass before building it, so a malformed message fails loudly at the boundary.
+``{"type": tag, **fields}``; ``decode`` checks the tag, the field names and every field's
+type against the dataclass's annotations before building it, and for a message of parallel
+row lists (:class:`TokenOut`, :class:`StrOut`) that the rows line up, so a malformed message
+fails loudly at the boundary, with a ``ValueError`` saying what is wrong, instead of crashing
+whoever handles it.
 
 Every request id gets exactly one terminal message: a :class:`TokenOut` / :class:`StrOut`
 row with ``finished`` set (reason ``stop``, ``length`` or ``abort``), or an :class:`ErrorOut`.
@@ -10,6 +13,7 @@ row with ``finished`` set (reason ``stop``, ``length`` or ``abort``), or an :cla
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -17,14 +21,21 @@ from typing import Any
 import numpy as np
 import orjson
 
+from radixserve.json_types import compile_test, explain
+
 _REGISTRY: dict[str, type] = {}
 
 
-def message(tag: str) -> Callable[[type], type]:
-    """Class decorator: make ``cls`` a dataclass and register it under ``tag``."""
+def message(tag: str, rows: bool = False) -> Callable[[type], type]:
+    """Class decorator: make ``cls`` a dataclass and register it under ``tag``.
+
+    ``rows``: every field is a list with one entry per row (per request); fields with a
+    default may instead be empty (not sent).
+    """
 
     def wrap(cls: type) -> type:
         cls = dataclass(cls)
+        hints = typing.get_type_hints(cls)
         cls.TYPE = tag
         cls._FIELDS = {f.name for f in fields(cls)}
         cls._REQUIRED = {
@@ -32,6 +43,9 @@ def message(tag: str) -> Callable[[type], type]:
             for f in fields(cls)
             if f.default is MISSING and f.default_factory is MISSING
         }
+        cls._HINTS = {f.name: hints[f.name] for f in fields(cls)}
+        cls._TESTS = {f.name: compile_test(hints[f.name]) for f in fields(cls)}
+        cls._ROWS = [f.name for f in fields(cls)] if rows else []
         _REGISTRY[tag] = cls
         return cls
 
@@ -45,11 +59,12 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    payload = orjson.loads(data)
+    """The message in ``data``; ``ValueError`` saying what is wrong when it is not one."""
+    payload = orjson.loads(data)  # orjson.JSONDecodeError is a ValueError
     if not isinstance(payload, dict) or "type" not in payload:
         raise ValueError("message without a type tag")
     tag = payload.pop("type")
-    cls = _REGISTRY.get(tag)
+    cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ValueError(f"unknown message type {tag!r}")
     names = set(payload)
@@ -57,7 +72,32 @@ def decode(data: bytes) -> Any:
         raise ValueError(
             f"message {tag!r} has fields {sorted(names)}, expected {sorted(cls._FIELDS)}"
         )
+    tests = cls._TESTS
+    for name, value in payload.items():
+        if not tests[name](value):
+            err = explain(cls._HINTS[name], value)
+            raise ValueError(f"message {tag!r}: field {name!r}{err}")
+    if cls._ROWS:
+        _check_rows(tag, cls, payload)
     return cls(**payload)
+
+
+def _check_rows(tag: str, cls: type, payload: dict[str, Any]) -> None:
+    """Parallel row lists: one entry per row, or (a field with a default) none at all."""
+    n = len(payload[cls._ROWS[0]])
+    for name in cls._ROWS[1:]:
+        k = len(payload[name]) if name in payload else 0
+        if k != n and not (k == 0 and name not in cls._REQUIRED):
+            raise ValueError(
+                f"message {tag!r}: field {name!r} has {k} rows, {cls._ROWS[0]!r} has {n}"
+            )
+
+
+# A logprob is a number, or null for -inf (a token masked out by a grammar or a filter, among
+# the top logprobs): JSON has no infinity, and orjson writes it as null.
+Logprob = float | None
+# One position's top logprobs: ``[token id, logprob]`` pairs.
+TopLogprobs = list[list[Logprob]]
 
 
 # ---------------------------------------------------------------- front end -> scheduler
@@ -92,7 +132,7 @@ class ControlReq:
 # ---------------------------------------------------------------- scheduler -> detokenizer
 
 
-@message("token_out")
+@message("token_out", rows=True)
 class TokenOut:
     """One scheduler step's new tokens, for every request that produced some.
 
@@ -107,12 +147,12 @@ class TokenOut:
     finished: list[dict[str, Any] | None]
     meta: list[dict[str, Any]]  # prompt_tokens, cached_tokens, completion_tokens
     init: list[dict[str, Any] | None]
-    logprobs: list[list[float] | None] = field(default_factory=list)
-    top_logprobs: list[list[list[list[float]]] | None] = field(default_factory=list)
+    logprobs: list[list[Logprob] | None] = field(default_factory=list)
+    top_logprobs: list[list[TopLogprobs] | None] = field(default_factory=list)
     # Prompt logprobs, on the request's first row only (else None): one entry per prompt
     # position from logprob_start_len on, None at position 0.
-    input_logprobs: list[list[float | None] | None] = field(default_factory=list)
-    input_top_logprobs: list[list[list[list[float]] | None] | None] = field(default_factory=list)
+    input_logprobs: list[list[Logprob] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[TopLogprobs | None] | None] = field(default_factory=list)
 
 
 @message("error_out")
@@ -139,7 +179,7 @@ class ReadyOut:
 # ---------------------------------------------------------------- detokenizer -> front end
 
 
-@message("str_out")
+@message("str_out", rows=True)
 class StrOut:
     """Text deltas for the rows of one TokenOut (same row order)."""
 
@@ -148,11 +188,11 @@ class StrOut:
     new_ids: list[list[int]]
     finished: list[dict[str, Any] | None]
     meta: list[dict[str, Any]]
-    logprobs: list[list[float] | None] = field(default_factory=list)
-    top_logprobs: list[list[list[list[float]]] | None] = field(default_factory=list)
+    logprobs: list[list[Logprob] | None] = field(default_factory=list)
+    top_logprobs: list[list[TopLogprobs] | None] = field(default_factory=list)
     # Prompt logprobs, passed through from TokenOut.
-    input_logprobs: list[list[float | None] | None] = field(default_factory=list)
-    input_top_logprobs: list[list[list[list[float]] | None] | None] = field(default_factory=list)
+    input_logprobs: list[list[Logprob] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[TopLogprobs | None] | None] = field(default_factory=list)
 
 
 def as_int_list(ids: Any) -> list[int]:

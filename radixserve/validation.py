@@ -1,6 +1,17 @@
-"""Checks on a request's token ids, shared by the front end and the scheduler."""
+"""Checks on a request's inputs (token ids, text), shared by the front end and the scheduler."""
 
 from __future__ import annotations
+
+import re
+
+# JSON may spell a lone UTF-16 surrogate (``"\\ud800"``), and Python decodes it into a str
+# that is not valid Unicode text: the tokenizer refuses it, and so does orjson between processes.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def is_text(s: str) -> bool:
+    """``s`` is valid Unicode text (it holds no lone surrogate)."""
+    return _SURROGATE.search(s) is None
 
 
 def check_input_ids(input_ids: object, vocab_size: int, context_len: int, pool_tokens: int) -> list[int]:

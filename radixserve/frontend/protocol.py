@@ -12,9 +12,9 @@ HTTP 400 with an OpenAI-style body (see ``errors.py``).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, WithJsonSchema, field_validator, model_validator
 
 from radixserve.frontend.chat_messages import (
     ChatMessage,
@@ -30,6 +30,7 @@ from radixserve.frontend.protocol_base import (
     NAME_PATTERN,
     UNSUPPORTED,
     Body,
+    RequestBody,
     check_json_schema,
     reject,
     unsupported,
@@ -40,6 +41,7 @@ from radixserve.frontend.response_format import (
     JSONSchemaFormat,
     ResponseFormat,
 )
+from radixserve.sampling.params import sampling_params_json_schema
 
 __all__ = [
     "IGNORED_FIELDS",
@@ -65,6 +67,9 @@ __all__ = [
 ]
 
 StopField = str | list[str] | None
+# Integers that reach the scheduler cross a process boundary as JSON, which carries int64.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class StreamOptions(Body):
@@ -73,7 +78,7 @@ class StreamOptions(Body):
     include_obfuscation: StrictBool | None = None  # ignored (IGNORED_FIELDS)
 
 
-class _SamplingFields(Body):
+class _SamplingFields(RequestBody):
     """Sampling fields shared by both OpenAI routes (plus SGLang's and vLLM's extensions)."""
 
     model: str | None = None
@@ -83,17 +88,17 @@ class _SamplingFields(Body):
     stop: StopField = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # ignored
     # SGLang / vLLM extensions
-    top_k: StrictInt | None = None
+    top_k: Int64 | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: StrictInt | None = Field(None, ge=0)  # sampling min_new_tokens
-    stop_token_ids: list[StrictInt] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    min_tokens: StrictInt | None = Field(None, ge=0, le=INT64_MAX)  # sampling min_new_tokens
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]] | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     no_stop_trim: StrictBool | None = None  # keep the matched stop string in the output
@@ -209,8 +214,8 @@ class _SamplingFields(Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -318,11 +323,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt = Field(16, ge=1)  # OpenAI's documented default for completions
+    max_tokens: StrictInt = Field(16, ge=1, le=INT64_MAX)  # OpenAI's documented default for completions
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     suffix: str | None = None  # UNSUPPORTED when non-empty
-    best_of: StrictInt | None = Field(None, ge=1)  # UNSUPPORTED when > n
+    best_of: StrictInt | None = Field(None, ge=1, le=INT64_MAX)  # UNSUPPORTED when > n
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -351,16 +356,25 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class GenerateRequest(Body):
+_SAMPLING = sampling_params_json_schema()
+# Checked by SamplingParams.from_dict (its errors name the field); documented precisely.
+SamplingParamsField = Annotated[
+    dict[str, Any] | list[dict[str, Any]] | None,
+    WithJsonSchema({"anyOf": [_SAMPLING, {"type": "array", "items": _SAMPLING}, {"type": "null"}],
+                    "description": "one object, or one per prompt of a batch"}),
+]
+
+
+class GenerateRequest(RequestBody):
     """Native ``/generate`` (SGLang's shape)."""
 
     text: str | list[str] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: SamplingParamsField = None
     stream: StrictBool = False
     return_logprob: StrictBool = False
     top_logprobs_num: StrictInt = Field(0, ge=0, le=20)
-    logprob_start_len: StrictInt = -1  # prompt logprobs from this position (-1: none)
+    logprob_start_len: Int64 = -1  # prompt logprobs from this position (-1: none)
     rid: str | None = None
 
     @model_validator(mode="after")
@@ -370,5 +384,5 @@ class GenerateRequest(Body):
         return self
 
 
-class AbortRequest(Body):
+class AbortRequest(RequestBody):
     rid: str

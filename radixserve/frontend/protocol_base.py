@@ -23,6 +23,8 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
+from radixserve.validation import is_text
+
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for schema and function names
 
 # Accepted, type-checked, ignored: field -> why ignoring it is harmless (cited by the README).
@@ -98,3 +100,37 @@ class Body(BaseModel):
             return data
         optional = {f.alias or name for name, f in cls.model_fields.items() if not f.is_required()}
         return {k: v for k, v in data.items() if v is not None or k not in optional}
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of a string holding a lone surrogate, if any."""
+    if isinstance(value, str):
+        return None if is_text(value) else path
+    if isinstance(value, list):
+        for i, x in enumerate(value):
+            found = _lone_surrogate(x, f"{path}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for k, x in value.items():
+            bad_key = not is_text(str(k))
+            key = str(k).encode("utf-8", "backslashreplace").decode() if bad_key else str(k)
+            where = f"{path}.{key}" if path else key
+            found = where if bad_key else _lone_surrogate(x, where)
+            if found is not None:
+                return found
+    return None
+
+
+class RequestBody(Body):
+    """A whole request body: besides ``Body``'s rules, every string (keys too) is valid
+    Unicode text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise reject(where, f"'{where or 'the body'}' holds a lone UTF-16 surrogate "
+                                "(\\ud800-\\udfff), which is not valid Unicode text")
+        return data

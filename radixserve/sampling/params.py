@@ -13,6 +13,8 @@ import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixserve.validation import is_text
+
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
@@ -23,8 +25,12 @@ def draw_seed() -> int:
 
 
 def _check_int(name: str, value: Any) -> int:
+    """An integer that fits in 64 bits: the parameters cross process boundaries as JSON,
+    which carries no larger integer."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"sampling_params.{name} must be an integer, got {value!r}")
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise ValueError(f"sampling_params.{name} must fit in 64 bits, got {value}")
     return int(value)
 
 
@@ -43,6 +49,11 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def _escaped(s: str) -> str:
+    """``s`` printable (a lone surrogate cannot be encoded, not even into an error message)."""
+    return s.encode("utf-8", "backslashreplace").decode()[:80]
+
+
 def _check_stop(value: Any) -> list[str]:
     if value is None:
         return []
@@ -55,6 +66,8 @@ def _check_stop(value: Any) -> list[str]:
     for s in value:
         if not isinstance(s, str) or not s:
             raise ValueError(f"sampling_params.stop must hold non-empty strings, got {s!r}")
+        if not is_text(s):
+            raise ValueError(f"sampling_params.stop holds a lone UTF-16 surrogate: {_escaped(s)}")
     return list(value)
 
 
@@ -96,6 +109,50 @@ def _check_stop_token_ids(value: Any) -> list[int]:
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
+# What ``from_dict`` accepts, as a JSON schema, for API documents (the native /generate
+# route's OpenAPI schema).  The checks in ``SamplingParams.__post_init__`` are the reference;
+# this mirrors them.  Every field may also be null ("the default").
+def _int(minimum: int = _INT64_MIN) -> dict[str, Any]:
+    return {"type": "integer", "minimum": minimum, "maximum": _INT64_MAX}
+
+
+_FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "max_new_tokens": _int(1),
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"anyOf": [{"const": -1}, _int(1)], "description": "-1: off"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}}]},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "seed": _int(),
+    "ignore_eos": {"type": "boolean"},
+    "skip_special_tokens": {"type": "boolean"},
+    "no_stop_trim": {"type": "boolean"},
+    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id -> bias added to its logit"},
+    "min_new_tokens": {**_int(0), "description": "at most max_new_tokens"},
+    "json_schema": {"type": "string", "description": "a JSON schema, as a JSON string"},
+    "regex": {"type": "string"},
+    "ebnf": {"type": "string", "description": "xgrammar's GBNF dialect, root rule 'root'"},
+    "structural_tag": {"type": "string", "description": "an xgrammar structural tag, as a JSON string"},
+}
+
+
+def sampling_params_json_schema() -> dict[str, Any]:
+    """The JSON schema of a ``sampling_params`` object (see ``SamplingParams.from_dict``)."""
+    return {
+        "type": "object",
+        "title": "SamplingParams",
+        "description": f"At most one of {', '.join(GRAMMAR_FIELDS)}.",
+        "properties": {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in _FIELD_SCHEMAS.items()},
+        "additionalProperties": False,
+    }
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -133,6 +190,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"sampling_params.{name} must be a string, got {type(value).__name__}")
+            if value is not None and not is_text(value):
+                raise ValueError(f"sampling_params.{name} holds a lone UTF-16 surrogate: {_escaped(value)}")
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(given)}")
@@ -178,8 +237,6 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"sampling_params.{name} must be in [-2, 2], got {v}")
-        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
-            raise ValueError(f"sampling_params.seed must fit in 64 bits, got {self.seed}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
