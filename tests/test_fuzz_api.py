@@ -130,11 +130,11 @@ REGRESSIONS = [
     ("stop_token_ids > int64", "/v1/completions", {**COMP, "stop_token_ids": [HUGE]}, "stop_token_ids[0]",
      "stop_token_ids"),
     ("generate max_new_tokens > int64", "/generate", {**GEN, "sampling_params": {"max_new_tokens": HUGE}},
-     None, "sampling_params.max_new_tokens must fit in 64 bits"),
+     "sampling_params.max_new_tokens", "sampling_params.max_new_tokens must fit in 64 bits"),
     ("generate top_k > int64", "/generate", {**GEN, "sampling_params": {"max_new_tokens": 2, "top_k": HUGE}},
-     None, "sampling_params.top_k must fit in 64 bits"),
+     "sampling_params.top_k", "sampling_params.top_k must fit in 64 bits"),
     ("generate min_new_tokens > int64", "/generate", {**GEN, "sampling_params": {"min_new_tokens": -HUGE}},
-     None, "sampling_params.min_new_tokens must fit in 64 bits"),
+     "sampling_params.min_new_tokens", "sampling_params.min_new_tokens must fit in 64 bits"),
 ]
 
 

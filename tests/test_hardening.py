@@ -162,3 +162,39 @@ def test_engine_in_a_daemonic_process_is_a_clear_error(tiny_chat_model) -> None:
     message = result.get(timeout=120)
     proc.join(30)
     assert "daemonic multiprocessing process" in message
+
+
+def test_largest_seed_with_n_choices_wraps_instead_of_failing(server) -> None:
+    r = httpx.post(server.base_url + "/v1/completions", json={
+        "model": "tiny", "prompt": "Hi", "max_tokens": 2, "n": 2, "seed": 2**63 - 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stop_token_ids": [99999999]}, "stop_token_ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/generate", {"text": "Hi", "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+    ("/generate", {"input_ids": [99999999]}, "input_ids"),
+])
+def test_errors_name_the_request_field(server, route: str, body: dict, param: str) -> None:
+    r = httpx.post(server.base_url + route, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_engine_refuses_a_prompt_with_a_lone_surrogate(tiny_chat_model) -> None:
+    from radixserve import Engine
+
+    with Engine(tiny_chat_model, max_total_tokens=2048) as engine:
+        with pytest.raises(ValueError, match="lone surrogate"):
+            engine.generate("hi \ud800", {"max_new_tokens": 2})
+        assert engine.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_client_leaving_a_non_streaming_request_is_logged_as_such(server) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/generate", json={"text": "Hello", "sampling_params": LONG}, timeout=1.5)
+    wait_idle(server)
+    log = server.log()
+    assert "/generate: the client disconnected; its request was aborted" in log
+    assert "unhandled error" not in log

@@ -202,7 +202,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         thinking=thinking,
     )
     sampling = _sampling(st, body, plan, fmt, prompt, thinking)
-    ids, params = st.prepare(prompt, None, sampling, check_total=True)
+    ids, params = st.prepare(prompt, None, sampling, check_total=True, prompt_param="messages")
     top_n = body.top_logprobs or 0
     choice_params = params_per_choice(params, body.n)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name

@@ -31,6 +31,10 @@ class APIError(Exception):
         self.headers = headers
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected; its request was aborted.  Nobody reads the answer."""
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     return {
         "object": "error",
@@ -118,6 +122,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> JSONResponse:
+        # 499 (nginx's "client closed request"): logged as what it is, not as a server error.
+        logger.info("%s: the client disconnected; its request was aborted", request.url.path)
+        return JSONResponse(error_body("the client closed the request", 499), 499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

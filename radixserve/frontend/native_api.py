@@ -53,9 +53,12 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     for i in range(n):
         try:
             prepared.append(st.prepare(texts[i] if texts else None, ids_list[i] if ids_list else None, sps[i],
-                                       logprob_start_len=body.logprob_start_len))
-        except ValueError as e:
-            raise APIError(f"request {i}: {e}" if batched else str(e), 400) from e
+                                       logprob_start_len=body.logprob_start_len,
+                                       prompt_param="text" if texts else "input_ids"))
+        except APIError as e:
+            if batched:
+                e.message = f"request {i}: {e.message}"
+            raise
     if body.stream:
         if batched:
             raise APIError("stream=true takes a single prompt", 400, param="stream")

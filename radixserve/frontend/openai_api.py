@@ -78,9 +78,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     for k, p in enumerate(body.prompts()):
         try:
             prepared.append(st.prepare(p if isinstance(p, str) else None,
-                                       p if isinstance(p, list) else None, sampling, check_total=True))
-        except ValueError as e:
-            raise APIError(f"prompt {k}: {e}" if len(body.prompts()) > 1 else str(e), 400, param="prompt") from e
+                                       p if isinstance(p, list) else None, sampling, check_total=True,
+                                       prompt_param="prompt"))
+        except APIError as e:
+            if len(body.prompts()) > 1:
+                e.message = f"prompt {k}: {e.message}"
+            raise
     want_lp = body.logprobs is not None
     top_n = body.logprobs or 0
     echo_lp = body.echo and want_lp

@@ -17,6 +17,7 @@ from radixserve.frontend.errors import error_body
 from radixserve.frontend.serving import ServerState
 from radixserve.frontend.tokenizer_manager import RequestError
 from radixserve.sampling import SamplingParams
+from radixserve.sampling.sampler import to_int64
 
 logger = logging.getLogger(__name__)
 SSE_DONE = b"data: [DONE]\n\n"
@@ -40,7 +41,9 @@ def params_per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
     if n == 1:
         return [params]
     base = params.seed
-    return [dataclasses.replace(params, seed=None if base is None else base + i) for i in range(n)]
+    # Seeds are 64-bit: the ones after the largest wrap around to the smallest.
+    return [dataclasses.replace(params, seed=None if base is None else to_int64(base + i))
+            for i in range(n)]
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:

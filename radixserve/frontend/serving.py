@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from typing import Any
 from fastapi import Request
 
 from radixserve.config import ServerArgs
-from radixserve.frontend.errors import APIError
+from radixserve.frontend.errors import APIError, ClientGone
 from radixserve.frontend.metrics import Metrics
 from radixserve.frontend.tokenizer_manager import TokenizerManager
 from radixserve.sampling import SamplingParams
@@ -24,8 +25,22 @@ logger = logging.getLogger("radixserve.requests")
 DISCONNECT_POLL_S = 0.1
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected; its request was aborted."""
+# Sampling parameters whose OpenAI request field has another name.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_SAMPLING_PARAM = re.compile(r"^sampling_params\.(\w+)")
+
+
+def _error_param(message: str, openai: bool, prompt_param: str | None) -> str | None:
+    """The request field an error message is about: ``sampling_params.top_k ...`` names a
+    sampling parameter (``top_k`` on the OpenAI routes, ``sampling_params.top_k`` on the
+    native one); anything else is about the prompt."""
+    if message.startswith(("unknown sampling parameter", "sampling_params must")):
+        return None if openai else "sampling_params"
+    match = _SAMPLING_PARAM.match(message)
+    if match is None:
+        return prompt_param if "logprob_start_len" not in message else "logprob_start_len"
+    name = match.group(1)
+    return _OPENAI_NAMES.get(name, name) if openai else f"sampling_params.{name}"
 
 
 @dataclass
@@ -52,10 +67,22 @@ class ServerState:
 
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
                 sampling: dict[str, Any] | None, check_total: bool = False,
-                logprob_start_len: int = -1) -> tuple[list[int], SamplingParams]:
+                logprob_start_len: int = -1, prompt_param: str | None = None) -> tuple[list[int], SamplingParams]:
         """Tokenize and validate one prompt; with ``check_total`` (the OpenAI routes' contract)
         the prompt plus the requested max tokens must fit the context, and a request that
-        gives no max tokens may generate up to the context length, as in OpenAI and vLLM."""
+        gives no max tokens may generate up to the context length, as in OpenAI and vLLM.
+        A bad value is an APIError whose ``param`` is the request's field: the OpenAI name of
+        a sampling parameter on those routes, else ``prompt_param``."""
+        try:
+            return self._prepare(prompt, input_ids, sampling, check_total, logprob_start_len)
+        except APIError:
+            raise
+        except ValueError as e:
+            raise APIError(str(e), 400, param=_error_param(str(e), check_total, prompt_param)) from e
+
+    def _prepare(self, prompt: str | None, input_ids: list[int] | None,
+                 sampling: dict[str, Any] | None, check_total: bool,
+                 logprob_start_len: int) -> tuple[list[int], SamplingParams]:
         if self.shutting_down:
             raise APIError("the server is shutting down", 503)
         ctx = self.info["context_length"]

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from radixserve import messages as m
 from radixserve.sampling import SamplingParams, draw_seed
-from radixserve.validation import check_input_ids, check_logprob_start_len
+from radixserve.validation import check_input_ids, check_logprob_start_len, is_text
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ class TokenizerManager:
                 raise ValueError("prompt must be a string")
             if prompt == "":
                 raise ValueError("the prompt is empty")
+            if not is_text(prompt):
+                raise ValueError("the prompt is not valid Unicode text (it holds a lone surrogate)")
             input_ids = self.tokenizer.encode(prompt, add_special_tokens=False) or []
             if not input_ids:
                 raise ValueError("the prompt is empty after tokenization")

@@ -43,7 +43,7 @@ _MIX2 = 0x94D049BB133111EB - 2**64
 _UNIFORM_BITS = 23  # 0.5 + k over 2**23 stays strictly inside (0, 1) in float32
 
 
-def _to_int64(x: int) -> int:
+def to_int64(x: int) -> int:
     return (x + 2**63) % 2**64 - 2**63
 
 
@@ -141,7 +141,7 @@ class SamplingBatch:
         ).reshape(n, 6)
         ints = torch.tensor(
             [
-                [_to_int64(s), len(out), p.top_k if 0 < p.top_k < vocab_size else vocab_size]
+                [to_int64(s), len(out), p.top_k if 0 < p.top_k < vocab_size else vocab_size]
                 for p, s, out in zip(params, seeds, output_ids, strict=True)
             ],
             dtype=torch.int64,
