@@ -25,13 +25,18 @@ async def _wait_running(base: str, client: httpx.AsyncClient, n: int) -> None:
         await asyncio.sleep(0.05)
 
 
+def _post_generate(client: httpx.AsyncClient, base: str, rid: str, params: dict,
+                   text: str = "Hello") -> asyncio.Future:
+    return asyncio.ensure_future(client.post(base + "/generate", json={
+        "text": text, "rid": rid, "sampling_params": params}))
+
+
 def test_duplicate_rid_is_refused_and_the_first_request_still_answers(server) -> None:
     base = server.base_url
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
-            first = asyncio.ensure_future(client.post(base + "/generate", json={
-                "text": "Hello", "rid": "dup-1", "sampling_params": {**LONG, "max_new_tokens": 300}}))
+            first = _post_generate(client, base, "dup-1", {**LONG, "max_new_tokens": 300})
             await _wait_running(base, client, 1)
             second = await client.post(base + "/generate", json={
                 "text": "Other", "rid": "dup-1", "sampling_params": {"max_new_tokens": 4}})
@@ -57,13 +62,11 @@ def test_rid_reused_right_after_an_abort_gets_its_own_answer(server) -> None:
 
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(timeout=120) as client:
-            first = asyncio.ensure_future(client.post(base + "/generate", json={
-                "text": "Hello", "rid": "reuse-1", "sampling_params": LONG}))
+            first = _post_generate(client, base, "reuse-1", LONG)
             await _wait_running(base, client, 1)
             aborted = await client.post(base + "/abort_request", json={"rid": "reuse-1"})
             assert aborted.status_code == 200
-            second = asyncio.ensure_future(client.post(base + "/generate", json={
-                "text": "Hello", "rid": "reuse-1", "sampling_params": {**LONG, "max_new_tokens": 40}}))
+            second = _post_generate(client, base, "reuse-1", {**LONG, "max_new_tokens": 40})
             r1 = await first
             assert r1.json()["meta_info"]["finish_reason"]["type"] == "abort"
             return await second
@@ -81,8 +84,7 @@ def test_abort_request_of_a_client_rid_aborts_it(server) -> None:
 
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(timeout=120) as client:
-            req = asyncio.ensure_future(client.post(base + "/generate", json={
-                "text": "Hello", "rid": "abort-me", "sampling_params": LONG}))
+            req = _post_generate(client, base, "abort-me", LONG)
             await _wait_running(base, client, 1)
             await client.post(base + "/abort_request", json={"rid": "abort-me"})
             return await req

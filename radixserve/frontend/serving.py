@@ -27,19 +27,23 @@ DISCONNECT_POLL_S = 0.1
 
 # Sampling parameters whose OpenAI request field has another name.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-_SAMPLING_PARAM = re.compile(r"^sampling_params\.(\w+)")
+# Validation messages start with the field they are about: "sampling_params.top_k must ...",
+# "logprob_start_len must ...".
+_LEADING_FIELD = re.compile(r"^(?:sampling_params\.(\w+)|(logprob_start_len)\b)")
 
 
 def _error_param(message: str, openai: bool, prompt_param: str | None) -> str | None:
-    """The request field an error message is about: ``sampling_params.top_k ...`` names a
-    sampling parameter (``top_k`` on the OpenAI routes, ``sampling_params.top_k`` on the
-    native one); anything else is about the prompt."""
+    """The request field an error message is about: a sampling parameter (``top_k`` on the
+    OpenAI routes, ``sampling_params.top_k`` on the native one), the sampling parameters as a
+    whole, ``logprob_start_len``, or else the prompt."""
     if message.startswith(("unknown sampling parameter", "sampling_params must")):
         return None if openai else "sampling_params"
-    match = _SAMPLING_PARAM.match(message)
+    match = _LEADING_FIELD.match(message)
     if match is None:
-        return prompt_param if "logprob_start_len" not in message else "logprob_start_len"
-    name = match.group(1)
+        return prompt_param
+    name, other = match.groups()
+    if other:
+        return other
     return _OPENAI_NAMES.get(name, name) if openai else f"sampling_params.{name}"
 
 
