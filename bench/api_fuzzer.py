@@ -42,6 +42,7 @@ BASES: dict[str, dict[str, Any]] = {
     "POST /v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2},
     "POST /generate": {"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
     "POST /abort_request": {"rid": "fuzz"},
+    "POST /apply_chat_template": {"messages": [{"role": "user", "content": "Hi"}]},
 }
 # Fields that replace others of the base request: (route, field) -> base fields dropped.
 REPLACES = {("POST /generate", "input_ids"): ("text",)}

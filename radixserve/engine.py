@@ -14,34 +14,18 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from pydantic import ValidationError
+
 from radixserve.config import ServerArgs
+from radixserve.frontend.chat_render import render_without_tools, validation_message
+from radixserve.frontend.native_output import LogprobRequest, NativeOutput
+from radixserve.frontend.protocol import ApplyChatTemplateRequest
 from radixserve.frontend.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.launcher import ProcessGroup
 from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 WATCHDOG_INTERVAL_S = 0.5
-
-
-def _merge(pieces: list[dict[str, Any]]) -> dict[str, Any]:
-    """Join the streamed deltas of one request into its final result."""
-    out: dict[str, Any] = {
-        "text": "".join(p["text"] for p in pieces),
-        "output_ids": [t for p in pieces for t in p["output_ids"]],
-        "meta_info": dict(pieces[-1]["meta_info"]),
-    }
-    if any("logprobs" in p for p in pieces):
-        out["meta_info"]["output_token_logprobs"] = [
-            lp for p in pieces for lp in (p.get("logprobs") or [])
-        ]
-        out["meta_info"]["output_top_logprobs"] = [
-            top for p in pieces for top in (p.get("top_logprobs") or [])
-        ]
-    first = next((p for p in pieces if "input_logprobs" in p), None)  # sent once
-    if first is not None:
-        out["meta_info"]["input_token_logprobs"] = first["input_logprobs"]
-        out["meta_info"]["input_top_logprobs"] = first["input_top_logprobs"]
-    return out
 
 
 class Engine:
@@ -120,18 +104,20 @@ class Engine:
                 raise ValueError(f"request {i}: {e}" if batched else str(e)) from None
         return batched, prepared
 
-    async def _collect(self, ids: list[int], params: Any, logprob: tuple[bool, int, int]) -> dict[str, Any]:
-        return_logprob, top_n, start = logprob
-        pieces = [
-            p async for p in self.tm.generate(ids, params, False, return_logprob, top_n, logprob_start_len=start)
-        ]
-        return _merge(pieces)
+    def _pieces(self, ids: list[int], params: Any, stream: bool, lp: LogprobRequest) -> AsyncIterator[dict[str, Any]]:
+        return self.tm.generate(ids, params, stream, lp.return_logprob, lp.top_logprobs_num,
+                                logprob_start_len=lp.scheduler_start(len(ids)))
+
+    async def _collect(self, ids: list[int], params: Any, lp: LogprobRequest) -> dict[str, Any]:
+        out = NativeOutput(ids, lp, self.tokenizer)
+        async for piece in self._pieces(ids, params, False, lp):
+            out.add(piece)
+        return out.result()
 
     async def _generate_all(
-        self, prepared: list[tuple[list[int], Any]], logprob: tuple[bool, int, int], progress: bool
+        self, prepared: list[tuple[list[int], Any]], lp: LogprobRequest, progress: bool
     ) -> list[dict[str, Any]]:
-        """``logprob``: ``(return_logprob, top_logprobs_num, logprob_start_len)``."""
-        tasks = [asyncio.ensure_future(self._collect(ids, sp, logprob)) for ids, sp in prepared]
+        tasks = [asyncio.ensure_future(self._collect(ids, sp, lp)) for ids, sp in prepared]
         try:
             if progress:
                 from tqdm import tqdm
@@ -160,41 +146,45 @@ class Engine:
         stream: bool = False,
         progress: bool | None = None,
         logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts, in input order).
 
         Each result: ``text``, ``output_ids`` and ``meta_info`` (``prompt_tokens``,
-        ``cached_tokens``, ``completion_tokens``, ``finish_reason``).  ``stream=True`` (one
-        prompt) yields pieces whose ``text`` / ``output_ids`` are the new part only.  Batches
-        of two or more show a progress bar unless ``progress=False``.
+        ``cached_tokens``, ``completion_tokens``, ``finish_reason``), in the shape of the
+        native ``/generate`` route (both are built by ``frontend/native_output.py``).
+        ``max_new_tokens = 0`` computes and caches the prompt only (finish reason length).
+        ``stream=True`` (one prompt) yields pieces whose ``text``, ``output_ids`` and logprob
+        lists are the new part only.  Batches of two or more show a progress bar unless
+        ``progress=False``.
 
-        ``return_logprob`` adds ``output_token_logprobs`` / ``output_top_logprobs`` (pairs
-        ``[token_id, logprob]``, ``top_logprobs_num`` per token) to ``meta_info``; with
-        ``logprob_start_len = k >= 0`` also ``input_token_logprobs`` / ``input_top_logprobs``
-        for prompt positions ``[k, prompt_len)`` (None at position 0).  Prompt tokens whose
-        logprobs are asked for are computed even when cached.
+        ``return_logprob`` adds SGLang's ``output_token_logprobs`` / ``output_top_logprobs``
+        and ``input_token_logprobs`` / ``input_top_logprobs`` to ``meta_info``: entries
+        ``[logprob, token_id, text]`` (text only with ``return_text_in_logprobs``, else None;
+        ``top_logprobs_num`` per position in the top lists).  The input ones cover prompt
+        positions ``[logprob_start_len, prompt_len)`` (logprob None at position 0), and with
+        the default ``logprob_start_len = -1`` the last prompt position only.  Prompt tokens
+        whose logprobs are asked for are computed even when cached.
         """
         batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len)
-        logprob = (return_logprob, top_logprobs_num, logprob_start_len)
+        lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
         if stream:
             if batched:
                 raise ValueError("stream=True takes a single prompt")
-            return self._stream_sync(prepared[0], logprob)
+            return self._stream_sync(prepared[0], lp)
         show = progress if progress is not None else len(prepared) > 1
-        results = self._call(self._generate_all(prepared, logprob, show))
+        results = self._call(self._generate_all(prepared, lp, show))
         return results if batched else results[0]
 
-    def _stream_sync(self, prepared: tuple[list[int], Any], logprob: tuple[bool, int, int]) -> Iterator[dict[str, Any]]:
+    def _stream_sync(self, prepared: tuple[list[int], Any], lp: LogprobRequest) -> Iterator[dict[str, Any]]:
         q: queue.Queue = queue.Queue()
         done = object()
-        return_logprob, top_n, start = logprob
+        out = NativeOutput(prepared[0], lp, self.tokenizer)
 
         async def pump() -> None:
             try:
-                async for piece in self.tm.generate(
-                    prepared[0], prepared[1], True, return_logprob, top_n, logprob_start_len=start
-                ):
-                    q.put(piece)
+                async for piece in self._pieces(prepared[0], prepared[1], True, lp):
+                    q.put(out.add(piece))
             except BaseException as e:  # handed to the consumer thread, which re-raises it
                 q.put(e)
             finally:
@@ -218,21 +208,22 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
         logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio variant of :meth:`generate`, usable from any event loop."""
         batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len)
-        logprob = (return_logprob, top_logprobs_num, logprob_start_len)
+        lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
         if stream:
             if batched:
                 raise ValueError("stream=True takes a single prompt")
-            return self._stream_async(prepared[0], logprob)
-        fut = asyncio.run_coroutine_threadsafe(self._generate_all(prepared, logprob, False), self._loop)
+            return self._stream_async(prepared[0], lp)
+        fut = asyncio.run_coroutine_threadsafe(self._generate_all(prepared, lp, False), self._loop)
         results = await asyncio.wrap_future(fut)
         return results if batched else results[0]
 
-    async def _stream_async(self, prepared: tuple[list[int], Any], logprob: tuple[bool, int, int]) -> AsyncIterator[dict[str, Any]]:
-        return_logprob, top_n, start = logprob
-        agen = self.tm.generate(prepared[0], prepared[1], True, return_logprob, top_n, logprob_start_len=start)
+    async def _stream_async(self, prepared: tuple[list[int], Any], lp: LogprobRequest) -> AsyncIterator[dict[str, Any]]:
+        out = NativeOutput(prepared[0], lp, self.tokenizer)
+        agen = self._pieces(prepared[0], prepared[1], True, lp)
         try:
             while True:
                 fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
@@ -240,9 +231,32 @@ class Engine:
                     piece = await asyncio.wrap_future(fut)
                 except StopAsyncIteration:
                     return
-                yield piece
+                yield out.add(piece)
         finally:
             asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text the chat route renders for ``messages`` (OpenAI chat messages)
+        without tools: the same function as ``/v1/chat/completions`` and
+        ``/apply_chat_template``.  ``continue_final_message`` continues the last (assistant)
+        message instead of opening a new one; ``template_kwargs`` are extra template
+        variables (e.g. ``enable_thinking=False``).  ValueError for bad messages or a model
+        without a chat template."""
+        fields: dict[str, Any] = {"messages": messages, "continue_final_message": continue_final_message,
+                                  "chat_template_kwargs": template_kwargs}
+        if not add_generation_prompt:
+            fields["add_generation_prompt"] = False
+        try:
+            body = ApplyChatTemplateRequest.model_validate(fields)
+        except ValidationError as e:
+            raise ValueError(validation_message(e)) from None
+        return render_without_tools(self.tokenizer, self.args.tool_call_parser, body)
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler counters: tokens, hit rate, retractions, evictions, step overhead."""

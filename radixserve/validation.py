@@ -41,11 +41,12 @@ def check_input_ids(input_ids: object, vocab_size: int, context_len: int, pool_t
 
 
 def check_logprob_start_len(logprob_start_len: object, prompt_len: int) -> None:
-    """``-1`` (no prompt logprobs) or a prompt position ``[0, prompt_len)``; else ``ValueError``."""
+    """``-1`` (no prompt logprobs) or a prompt position ``[0, prompt_len]`` (``prompt_len``:
+    none either, as SGLang allows); else ``ValueError``."""
     if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
         raise ValueError("logprob_start_len must be an integer")
-    if not -1 <= logprob_start_len < prompt_len:
+    if not -1 <= logprob_start_len <= prompt_len:
         raise ValueError(
-            f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
-            f"[0, {prompt_len}), got {logprob_start_len}"
+            f"logprob_start_len must be -1 or a prompt position in [0, {prompt_len}] "
+            f"(the prompt has {prompt_len} tokens), got {logprob_start_len}"
         )

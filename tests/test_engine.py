@@ -129,20 +129,80 @@ def test_seed_reproducible(engine) -> None:
 
 
 def test_logprobs(engine) -> None:
-    out = engine.generate("The capital of France is", {"max_new_tokens": 4, "temperature": 0}, return_logprob=True, top_logprobs_num=3)
-    lps = out["meta_info"]["output_token_logprobs"]
-    tops = out["meta_info"]["output_top_logprobs"]
-    assert len(lps) == len(out["output_ids"]) == len(tops)
-    for tok, lp, top in zip(out["output_ids"], lps, tops, strict=True):
-        assert lp <= 0 and len(top) == 3
-        assert top[0][0] == tok and abs(top[0][1] - lp) < 1e-5  # greedy: the best alternative
+    prompt = "The capital of France is"
+    prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    out = engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0}, return_logprob=True, top_logprobs_num=3)
+    meta = out["meta_info"]
+    lps, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(lps) == len(out["output_ids"]) == len(tops) == 4
+    for tok, (lp, tid, text), top in zip(out["output_ids"], lps, tops, strict=True):
+        assert tid == tok and text is None and lp <= 0 and len(top) == 3
+        assert top[0][1] == tok and abs(top[0][0] - lp) < 1e-5  # greedy: the best alternative
+    # The default logprob_start_len (-1): the last prompt position only.
+    assert [e[1:] for e in meta["input_token_logprobs"]] == [[prompt_ids[-1], None]]
+    assert meta["input_token_logprobs"][0][0] < 0 and len(meta["input_top_logprobs"][0]) == 3
+    # Texts when asked: each token decoded on its own, in every list.
+    texted = engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0}, return_logprob=True,
+                             top_logprobs_num=2, return_text_in_logprobs=True, logprob_start_len=0)["meta_info"]
+    decode = engine.tokenizer.decode
+    assert [e[2] for e in texted["output_token_logprobs"]] == [decode([t]) for t in out["output_ids"]]
+    assert [e[1:] for e in texted["input_token_logprobs"]] == [[t, decode([t])] for t in prompt_ids]
+    assert texted["input_token_logprobs"][0][0] is None and texted["input_top_logprobs"][0] is None
+    assert all(e[2] == decode([e[1]]) for top in texted["input_top_logprobs"][1:] + texted["output_top_logprobs"]
+               for e in top)
+    assert [e[0] for e in texted["output_token_logprobs"]] == pytest.approx([e[0] for e in lps], abs=1e-5)
+    # Without top_logprobs_num the top lists hold None per position.
+    plain = engine.generate(prompt, {"max_new_tokens": 2, "temperature": 0}, return_logprob=True)["meta_info"]
+    assert plain["output_top_logprobs"] == [None, None] and plain["input_top_logprobs"] == [None]
+
+
+def test_prefill_only_with_and_without_cache_hit(engine) -> None:
+    prompt = SYSTEM + "Question: what is the capital of Spain?"
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    page = engine.info["page_size"]
+    assert engine.flush_cache()
+    out = engine.generate(prompt, {"max_new_tokens": 0})
+    assert out["text"] == "" and out["output_ids"] == []
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "matched": None, "length": 0}
+    assert (meta["prompt_tokens"], meta["cached_tokens"], meta["completion_tokens"]) == (len(ids), 0, 0)
+    # A longer prompt scored from the end of the cached one: served from the tree up to there.
+    longer = prompt + " Answer:"
+    ids2 = engine.tokenizer.encode(longer, add_special_tokens=False)
+    assert ids2[: len(ids)] == ids
+    scored = engine.generate(longer, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=len(ids))
+    meta = scored["meta_info"]
+    assert meta["cached_tokens"] == (len(ids) - 1) // page * page and meta["completion_tokens"] == 0
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids2[len(ids):]
+    assert all(e[0] < 0 for e in meta["input_token_logprobs"]) and meta["output_token_logprobs"] == []
+    # Generating from the prefix afterwards reads it from the tree.
+    gen = engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert gen["meta_info"]["cached_tokens"] == expected_cached_len(ids, [ids2], page)
+    assert gen["meta_info"]["completion_tokens"] == 4
+
+
+def test_apply_chat_template(engine) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of Spain?"}]
+    render = engine.tokenizer.apply_chat_template
+    assert engine.apply_chat_template(msgs) == render(msgs, add_generation_prompt=True, tokenize=False)
+    assert engine.apply_chat_template(msgs, add_generation_prompt=False) == render(msgs, tokenize=False)
+    cont = [*msgs, {"role": "assistant", "content": "It is"}]
+    assert engine.apply_chat_template(cont, continue_final_message=True) == render(
+        cont, continue_final_message=True, tokenize=False)
+    with pytest.raises(ValueError, match="role"):
+        engine.apply_chat_template([{"role": "wizard", "content": "x"}])
+    with pytest.raises(ValueError, match="continue_final_message"):
+        engine.apply_chat_template(msgs, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        engine.apply_chat_template(msgs, tokenize=True)
 
 
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
         ({"prompt": ""}, "empty"),
-        ({"prompt": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"n": 2}}, "sampling_params.n"),
         ({"prompt": "hi", "sampling_params": {"temperature": -0.5}}, "temperature"),
         ({"prompt": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
         ({"prompt": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),

@@ -4,6 +4,7 @@ what their docstrings promise: later calls read the shared prefix from the radix
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -69,14 +70,30 @@ def test_multi_turn_chat_reuses_earlier_turns(cold) -> None:
         assert cur["cached_tokens"] >= 0.8 * prev["prompt_tokens"], (prev, cur)
 
 
-def test_pipeline_steps_share_the_document(cold) -> None:
-    records = load("pipeline").main(["--base-url", cold, "--max-tokens", "4"])
+def test_pipeline_steps_share_the_document(cold, capsys) -> None:
+    import jsonschema
+
+    pipeline = load("pipeline")
+    records = pipeline.main(["--base-url", cold, "--max-tokens", "4"])
     by_step = {r["step"]: r for r in records}
-    assert set(by_step) == {"facts", "title", "summary", "question", "join"}
-    facts = by_step["facts"]
-    assert facts["cached_tokens"] == 0 and facts["prompt_tokens"] > 200
-    for name in ("title", "summary", "question", "join"):
-        assert by_step[name]["cached_tokens"] >= 0.8 * facts["prompt_tokens"], by_step[name]
+    assert [r["step"] for r in records] == ["classify", *pipeline.FIELDS, "summary"]
+    classify = by_step["classify"]
+    assert classify["text"] in pipeline.KINDS and classify["prompt_tokens"] > 200
+    # The select computed its prompt once: every choice was served it from the cache, but for
+    # the last two tokens (its logprobs start at the prompt's last token, which needs the one before).
+    assert len(classify["choices_cached_tokens"]) == len(pipeline.KINDS)
+    assert all(c >= classify["prompt_tokens"] - 2 for c in classify["choices_cached_tokens"])
+    # Each branch and the summary continue the classify conversation: served it from the cache.
+    for name in (*pipeline.FIELDS, "summary"):
+        r = by_step[name]
+        assert r["prompt_tokens"] > classify["prompt_tokens"], r
+        assert r["cached_tokens"] >= classify["prompt_tokens"], r
+    for name, (_, schema) in pipeline.FIELDS.items():
+        r = by_step[name]
+        assert r["schema"] == schema
+        jsonschema.validate(json.loads(r["text"]), schema)
+        assert r["value"] == json.loads(r["text"])
+    assert "cached" in capsys.readouterr().out
 
 
 def test_offline_batch(tiny_chat_model) -> None:

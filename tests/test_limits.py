@@ -291,6 +291,10 @@ PROTECTED = [
     ("GET", "/health_generate", None),
     ("POST", "/flush_cache", None),
     ("POST", "/abort_request", {"rid": "nothing-running"}),
+    ("GET", "/get_model_info", None),
+    ("GET", "/model_info", None),
+    ("POST", "/apply_chat_template", {"messages": MSG}),
+    ("POST", "/concate_and_append_request", {"src_rids": ["a"], "dst_rid": "b"}),
 ]
 BAD_CREDENTIALS = [
     {},

@@ -53,6 +53,19 @@ def check_prompt_logprobs(folder: str, prompt: list[int], start: int, top_n: int
             assert math.isclose(ref[p - 1, tok].item(), lp, abs_tol=TOL)  # the pair is consistent
 
 
+def check_native_prompt_logprobs(folder: str, prompt: list[int], start: int, top_n: int,
+                                 meta: dict[str, Any]) -> None:
+    """:func:`check_prompt_logprobs` on a native result's SGLang triples ``[logprob, id, text]``,
+    whose ids must be the prompt's from ``start`` on."""
+    entries, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert [e[1] for e in entries] == prompt[start:]
+    pairs = [None if top is None else [[t, lp] for lp, t, _ in top] for top in tops]
+    if top_n == 0:  # no top lists asked: None at every position
+        assert tops == [None] * len(entries)
+        pairs = [None if p == 0 else [] for p in range(start, len(prompt))]
+    check_prompt_logprobs(folder, prompt, start, top_n, [e[0] for e in entries], pairs)
+
+
 def submit(sched, prompt: list[int], start: int = -1, top_n: int = 0, **params: Any) -> str:
     """A request ignoring EOS that wants its prompt logprobs from position ``start`` (-1: none)."""
     fields = {"return_logprob": start >= 0 or top_n > 0, "top_logprobs_num": top_n, "logprob_start_len": start}
@@ -172,10 +185,30 @@ def test_retraction_mid_prefill_keeps_collected_logprobs(tiny_model_dir, page_si
     assert sched.get_stats()["prefill_tokens_computed"] == len(long_prompt)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_only_returns_prompt_logprobs(tiny_model_dir, page_size: int) -> None:
+    """max_new_tokens 0 (SGLang's scoring call): prompt logprobs, nothing sampled, the prompt
+    cached; asked from the prompt's length, an empty list."""
+    folder = tiny_model_dir("llama")
+    sched = make_scheduler(folder, page_size=page_size, chunked_prefill_size=16, max_total_tokens=1024)
+    p = prompts(1, 40, 40, seed=5)[0]
+    rids = {start: submit(sched, p, start=start, top_n=2, max_new_tokens=0) for start in (0, 21, len(p) - 1, len(p))}
+    results = run_until_idle(sched)
+    for start, rid in rids.items():
+        r = results[rid]
+        assert r["output_ids"] == [] and r["finished"]["type"] == "length" and r["deliveries"] == 1
+        if start == len(p):
+            assert r["input"] == [] and r["input_top"] == []
+        else:
+            check_prompt_logprobs(folder, p, start, 2, r["input"], r["input_top"])
+    assert sched.get_stats()["generation_tokens"] == 0
+    assert len(sched.tree.match_prefix(p).slots) == len(p) // page_size * page_size
+
+
 def test_bad_logprob_start_len_is_refused(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=512)
-    for start in (3, 10, -2):
+    for start in (4, 10, -2):
         err = sched.add_request(GenerateReq(rid=f"bad{start}", input_ids=[7, 8, 9], sampling_params={},
                                             seed=0, return_logprob=True, logprob_start_len=start))
         assert err is not None and err.status == 400 and "logprob_start_len" in err.message
@@ -193,18 +226,21 @@ def test_engine_prompt_logprobs(tiny_chat_model) -> None:
         out = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True,
                               top_logprobs_num=2, logprob_start_len=1)
         meta = out["meta_info"]
-        check_prompt_logprobs(tiny_chat_model, ids, 1, 2, meta["input_token_logprobs"], meta["input_top_logprobs"])
+        check_native_prompt_logprobs(tiny_chat_model, ids, 1, 2, meta)
         assert len(meta["output_token_logprobs"]) == 2
+        # A stream's pieces carry their own part of the lists: the prompt's in one piece.
         pieces = list(engine.generate(input_ids=ids, sampling_params=params, return_logprob=True,
                                       logprob_start_len=0, stream=True))
-        assert sum("input_logprobs" in p for p in pieces) == 1
-        assert pieces[0]["input_logprobs"][1:] == pytest.approx(meta["input_token_logprobs"], abs=TOL)
+        assert [len(p["meta_info"]["input_token_logprobs"]) > 0 for p in pieces].count(True) == 1
+        streamed = [e for p in pieces for e in p["meta_info"]["input_token_logprobs"]]
+        assert streamed[0] == [None, ids[0], None]
+        assert [e[0] for e in streamed[1:]] == pytest.approx([e[0] for e in meta["input_token_logprobs"]], abs=TOL)
         batch = asyncio.run(engine.async_generate(input_ids=[ids, ids[:5]], sampling_params=params,
                                                   return_logprob=True, logprob_start_len=4))
         assert [len(r["meta_info"]["input_token_logprobs"]) for r in batch] == [len(ids) - 4, 1]
         with pytest.raises(ValueError, match="logprob_start_len"):
             engine.generate(input_ids=[ids, ids[:5]], sampling_params=params, return_logprob=True,
-                            logprob_start_len=5)
+                            logprob_start_len=6)
         assert engine.check_memory()["locked_tokens"] == 0
 
 
@@ -231,7 +267,7 @@ def test_native_generate_prompt_logprobs(server, tiny_chat_model) -> None:
             "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 2}
     out = httpx.post(server.base_url + "/generate", json=body, timeout=60).json()
     meta = out["meta_info"]
-    check_prompt_logprobs(tiny_chat_model, ids, 2, 2, meta["input_token_logprobs"], meta["input_top_logprobs"])
+    check_native_prompt_logprobs(tiny_chat_model, ids, 2, 2, meta)
     assert len(meta["output_token_logprobs"]) == 3
     # Streaming gives the same values; without logprob_start_len there are none.
     stream = httpx.post(server.base_url + "/generate", json={**body, "stream": True}, timeout=60)
@@ -240,9 +276,14 @@ def test_native_generate_prompt_logprobs(server, tiny_chat_model) -> None:
 
     last = orjson.loads(events[-1])["meta_info"]
     assert last["input_token_logprobs"] == meta["input_token_logprobs"]
-    plain = httpx.post(server.base_url + "/generate", json={**body, "logprob_start_len": -1}, timeout=60).json()
-    assert "input_token_logprobs" not in plain["meta_info"]
-    bad = httpx.post(server.base_url + "/generate", json={**body, "logprob_start_len": len(ids)}, timeout=60)
+    # The default start (-1) covers the last prompt position only; the prompt's length, none.
+    last = httpx.post(server.base_url + "/generate", json={**body, "logprob_start_len": -1}, timeout=60).json()
+    check_native_prompt_logprobs(tiny_chat_model, ids, len(ids) - 1, 2, last["meta_info"])
+    empty = httpx.post(server.base_url + "/generate", json={**body, "logprob_start_len": len(ids)}, timeout=60)
+    assert empty.json()["meta_info"]["input_token_logprobs"] == []
+    plain = httpx.post(server.base_url + "/generate", json={**body, "return_logprob": False}, timeout=60).json()
+    assert "input_token_logprobs" not in plain["meta_info"] and "output_token_logprobs" not in plain["meta_info"]
+    bad = httpx.post(server.base_url + "/generate", json={**body, "logprob_start_len": len(ids) + 1}, timeout=60)
     assert bad.status_code == 400 and "logprob_start_len" in bad.json()["error"]["message"]
 
 

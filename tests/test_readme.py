@@ -30,7 +30,7 @@ def test_python_api_example_runs_as_a_plain_script(tmp_path, default_model_path)
                        cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Paris" in r.stdout  # the first print: the greedy completion of "The capital of France is"
-    assert "'finish_reason': {'type': 'length', 'matched': None}" in r.stdout
+    assert "'finish_reason': {'type': 'length', 'matched': None, 'length': " in r.stdout
     assert "cache_hit_rate" in r.stdout  # the last print: get_stats()
     assert "can only join a started process" not in r.stderr
     assert "Traceback" not in r.stderr

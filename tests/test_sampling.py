@@ -49,7 +49,7 @@ def _draw(
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("max_new_tokens", 0),
+        ("max_new_tokens", -1),
         ("max_new_tokens", -3),
         ("max_new_tokens", 10.0),
         ("max_new_tokens", True),
@@ -87,11 +87,33 @@ def _draw(
         ("ignore_eos", 1),
         ("skip_special_tokens", "yes"),
         ("no_stop_trim", "false"),
+        ("n", 2),
+        ("n", 0),
+        ("n", 1.0),
+        ("stop_regex", "[0-9]+"),
+        ("stop_regex", ["a+"]),
+        ("spaces_between_special_tokens", False),
+        ("spaces_between_special_tokens", "yes"),
     ],
 )
 def test_bad_values_rejected_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict({field: value})
+
+
+def test_sglang_frontend_sampling_params_are_accepted():
+    """What SGLang's frontend sends for a plain gen (``to_srt_kwargs`` plus its two decoding
+    flags): unset features as null, empty tuples (JSON lists) or their no-op value."""
+    sent = {
+        "skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 0,
+        "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [],
+        "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
+        "presence_penalty": 0.0, "ignore_eos": False, "regex": None, "json_schema": None,
+    }
+    p = SamplingParams.from_dict(sent)
+    assert p.max_new_tokens == 0 and p.temperature == 0.0 and p.stop == [] and p.grammar is None
+    assert "n" not in p.to_dict() and "stop_regex" not in p.to_dict()
+    assert SamplingParams.from_dict({"n": None, "stop_regex": "", "spaces_between_special_tokens": None}) == P()
 
 
 def test_unknown_key_rejected_with_valid_names():

@@ -165,6 +165,34 @@ def test_abort_frees_pages_and_keeps_partial_kv_out(tiny_model_dir) -> None:
     assert matched == len(p) // sched.page_size * sched.page_size
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_only_caches_the_prompt_and_samples_nothing(tiny_model_dir, page_size: int) -> None:
+    folder = tiny_model_dir("llama")
+    sched = make_scheduler(folder, page_size=page_size, chunked_prefill_size=16, max_total_tokens=2048)
+    p, q = prompts(2, 50, 50, seed=31)
+    # max_new_tokens 0 (chunked: 50 tokens in chunks of 16), beside a request that decodes.
+    other = submit(sched, q[:10], max_new_tokens=8, ignore_eos=True)
+    rid = submit(sched, p, max_new_tokens=0)
+    res = run_until_idle(sched)
+    assert res[rid]["output_ids"] == [] and res[rid]["finished"] == {"type": "length", "matched": None, "length": 0}
+    assert res[rid]["meta"]["completion_tokens"] == 0 and res[rid]["meta"]["prompt_tokens"] == len(p)
+    assert res[other]["output_ids"] == hf_greedy(folder, q[:10], 8)
+    assert res[other]["finished"] == {"type": "length", "matched": None, "length": 8}
+    stats = sched.get_stats()
+    assert stats["generation_tokens"] == 8 and stats["prefill_tokens_computed"] == len(p) + 10
+    # The tree took the whole prompt (in whole pages): a longer prompt is served all of it.
+    longer = p + [9, 10, 11]
+    again = submit(sched, longer, max_new_tokens=3, ignore_eos=True)
+    r = run_until_idle(sched)[again]
+    assert r["meta"]["cached_tokens"] == len(p) // page_size * page_size
+    assert r["output_ids"] == hf_greedy(folder, longer, 3)
+    # The same prompt again: a cache hit up to its last token, which is computed (not sampled).
+    hit = submit(sched, p, max_new_tokens=0)
+    r = run_until_idle(sched)[hit]
+    assert r["meta"]["cached_tokens"] == (len(p) - 1) // page_size * page_size and r["output_ids"] == []
+    assert sched.get_stats()["generation_tokens"] == 8 + 3
+
+
 def test_bad_requests_are_answered_and_others_continue(tiny_model_dir) -> None:
     from radixserve.messages import GenerateReq
 
@@ -176,7 +204,7 @@ def test_bad_requests_are_answered_and_others_continue(tiny_model_dir) -> None:
         "too long": (list(range(10, 80)), {}, "context length is 64"),
         "bad id": ([1, 999], {}, "token id 999 is outside the vocabulary"),
         "negative id": ([1, -1], {}, "token id -1 is outside the vocabulary"),
-        "max_new_tokens": ([1, 2], {"max_new_tokens": 0}, "max_new_tokens"),
+        "max_new_tokens": ([1, 2], {"max_new_tokens": -1}, "max_new_tokens"),
         "temperature": ([1, 2], {"temperature": -1}, "temperature"),
         "top_p": ([1, 2], {"top_p": 1.5}, "top_p"),
         "top_k": ([1, 2], {"top_k": 0}, "top_k"),

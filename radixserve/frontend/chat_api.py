@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +17,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from radixserve.frontend.chat_render import (
+    ChatTemplateError,
+    render_chat,
+    template_kwargs,
+    tool_parser,
+)
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.openai_common import (
     fan_in,
@@ -36,12 +41,9 @@ from radixserve.frontend.parsers import (
     ToolFormat,
     ToolPlan,
     ToolRequestError,
-    detect_tool_parser,
-    native_messages,
     openai_deltas,
     plan_tools,
     prompt_opens_reasoning,
-    prompted_messages,
     tool_call_grammar,
     tool_format,
 )
@@ -50,66 +52,11 @@ from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect, merge_pieces
 
 router = APIRouter()
-_ROLES = {"developer": "system", "function": "tool"}
-
-
-@functools.lru_cache(maxsize=8)
-def _detected_parser(tokenizer: Any) -> str:
-    return detect_tool_parser(tokenizer)
 
 
 @functools.lru_cache(maxsize=8)
 def _is_single_token(tokenizer: Any, text: str) -> bool:
     return text in tokenizer.get_vocab()
-
-
-def _tool_parser(st: ServerState) -> str:
-    name = st.args.tool_call_parser
-    return _detected_parser(st.tokenizer) if name == "auto" else name
-
-
-def _template_kwargs(st: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
-    """``chat_template_kwargs``: extra template variables; apply_chat_template's own
-    parameters (tools, tokenize, ...) are set by the server and refused here."""
-    kwargs = dict(body.chat_template_kwargs or {})
-    own = set(inspect.signature(st.tokenizer.apply_chat_template).parameters) - {"kwargs"}
-    clash = sorted(own & set(kwargs))
-    if clash:
-        raise APIError(f"chat_template_kwargs may not set {clash}: the server sets them",
-                       400, param="chat_template_kwargs")
-    return kwargs
-
-
-def _render_chat(st: ServerState, body: ChatCompletionRequest, plan: ToolPlan, parser: str,
-                 kwargs: dict[str, Any]) -> str:
-    msgs = []
-    for m in body.messages:
-        d: dict[str, Any] = {"role": _ROLES.get(m.role, m.role), "content": m.text()}
-        if m.name:
-            d["name"] = m.name
-        if m.tool_calls:
-            d["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
-        if m.tool_call_id:
-            d["tool_call_id"] = m.tool_call_id
-        msgs.append(d)
-    tok = st.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions", 400, param="messages")
-    if parser == "prompted":
-        msgs, tools = prompted_messages(msgs, plan.offered), None
-    else:
-        msgs, tools = native_messages(msgs), plan.offered or None
-    try:
-        return tok.apply_chat_template(
-            msgs,
-            tools=tools,
-            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-            tokenize=False,
-            **kwargs,
-        )
-    except Exception as e:  # template errors (jinja) are the request's fault
-        raise APIError(f"cannot apply the chat template to these messages: {e}", 400, param="messages") from e
 
 
 def _grammar_reasoning(st: ServerState, prompt: str, thinking: bool) -> str | None:
@@ -188,10 +135,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     except ToolRequestError as e:
         raise APIError(str(e), 400, param=e.param) from e
-    parser = _tool_parser(st)
+    parser = tool_parser(st.tokenizer, st.args.tool_call_parser)
     fmt = tool_format(parser)
-    kwargs = _template_kwargs(st, body)
-    prompt = _render_chat(st, body, plan, parser, kwargs)
+    try:
+        kwargs = template_kwargs(st.tokenizer, body.chat_template_kwargs)
+        prompt = render_chat(st.tokenizer, body.messages, parser=parser, offered=plan.offered,
+                             add_generation_prompt=body.add_generation_prompt,
+                             continue_final_message=body.continue_final_message, kwargs=kwargs)
+    except ChatTemplateError as e:
+        raise APIError(str(e), 400, param=e.param) from e
     thinking = kwargs.get("enable_thinking") is not False
     spec = ParseSpec(
         tool_format=fmt if plan.parses else None,

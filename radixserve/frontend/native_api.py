@@ -1,5 +1,7 @@
 """SGLang-style native routes: /generate, /health, /health_generate, /server_info,
-/flush_cache, /abort_request, and /metrics."""
+/get_model_info, /flush_cache, /abort_request, /concate_and_append_request, /metrics, and
+radixserve's /apply_chat_template.  Together they are what SGLang's frontend language
+(``sglang.RuntimeEndpoint``) calls."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from radixserve import __version__
+from radixserve.frontend.chat_render import ChatTemplateError, render_without_tools
 from radixserve.frontend.errors import APIError
+from radixserve.frontend.native_output import LogprobRequest, NativeOutput
 from radixserve.frontend.openai_common import SSE_DONE, guarded_stream
-from radixserve.frontend.protocol import AbortRequest, GenerateRequest
+from radixserve.frontend.protocol import AbortRequest, ApplyChatTemplateRequest, GenerateRequest
 from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState, collect, merge_pieces
+from radixserve.frontend.serving import ServerState, collect
 from radixserve.frontend.tokenizer_manager import RequestError
 
 router = APIRouter()
@@ -28,13 +32,8 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _result(r: dict[str, Any]) -> dict[str, Any]:
-    meta = dict(r["meta_info"])
-    if r.get("logprobs"):
-        meta.update(output_token_logprobs=r["logprobs"], output_top_logprobs=r["top_logprobs"])
-    if "input_logprobs" in r:  # logprob_start_len >= 0: prompt positions from it on
-        meta.update(input_token_logprobs=r["input_logprobs"], input_top_logprobs=r["input_top_logprobs"])
-    return {"text": r["text"], "output_ids": r["output_ids"], "meta_info": meta}
+def _event(result: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(result) + b"\n\n"
 
 
 @router.post("/generate")
@@ -49,6 +48,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * n
     if len(sps) != n:
         raise APIError(f"{len(sps)} sampling_params for {n} prompts", 400, param="sampling_params")
+    lp = LogprobRequest(body.return_logprob, body.top_logprobs_num, body.logprob_start_len,
+                        body.return_text_in_logprobs)
     prepared = []
     for i in range(n):
         try:
@@ -59,38 +60,40 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             if batched:
                 e.message = f"request {i}: {e.message}"
             raise
+
+    def pieces(ids: list[int], params: Any, stream: bool, rid: str | None) -> AsyncIterator[dict[str, Any]]:
+        return st.stream(ids, params, stream=stream, logprob=lp.return_logprob, top_n=lp.top_logprobs_num,
+                         rid=rid, logprob_start_len=lp.scheduler_start(len(ids)))
+
     if body.stream:
         if batched:
             raise APIError("stream=true takes a single prompt", 400, param="stream")
         ids, params = prepared[0]
-        pieces = st.stream(ids, params, stream=True, logprob=body.return_logprob,
-                           top_n=body.top_logprobs_num, rid=body.rid,
-                           logprob_start_len=body.logprob_start_len)
-        it = pieces.__aiter__()
-        first = await it.__anext__()  # errors answer with their status before streaming
+        out = NativeOutput(ids, lp, st.tokenizer)
+        it = pieces(ids, params, True, body.rid).__aiter__()
+        out.add(await it.__anext__())  # errors answer with their status before streaming
 
         async def rest() -> AsyncIterator[bytes]:
-            # Each event carries the text and ids so far (SGLang's native stream format).
-            acc: list[dict[str, Any]] = [first]
+            # Each event carries the text, ids and logprobs so far (SGLang's native stream format).
             try:
                 async for piece in it:
-                    acc.append(piece)
-                    yield b"data: " + orjson.dumps(_result(merge_pieces(acc))) + b"\n\n"
+                    out.add(piece)
+                    yield _event(out.result())
             finally:
                 await it.aclose()  # the request is aborted if the stream stops early
             yield SSE_DONE
 
-        first_event = b"data: " + orjson.dumps(_result(merge_pieces([first]))) + b"\n\n"
-        return StreamingResponse(guarded_stream(first_event, rest()), media_type="text/event-stream")
-    rids = [body.rid if not batched else None] * n
+        return StreamingResponse(guarded_stream(_event(out.result()), rest()), media_type="text/event-stream")
     results = await asyncio.gather(*[
-        collect(st.stream(ids, params, stream=False, logprob=body.return_logprob,
-                          top_n=body.top_logprobs_num, rid=rids[i],
-                          logprob_start_len=body.logprob_start_len), request)
-        for i, (ids, params) in enumerate(prepared)
+        collect(pieces(ids, params, False, None if batched else body.rid), request) for ids, params in prepared
     ])
-    out = [_result(merge_pieces(r)) for r in results]
-    return JSONBytesResponse(out if batched else out[0])
+    outs = []
+    for (ids, _), result in zip(prepared, results, strict=True):
+        out = NativeOutput(ids, lp, st.tokenizer)
+        for piece in result:
+            out.add(piece)
+        outs.append(out.result())
+    return JSONBytesResponse(outs if batched else outs[0])
 
 
 @router.get("/health")
@@ -130,6 +133,50 @@ async def server_info(request: Request) -> JSONBytesResponse:
         "memory": memory,
         "pids": {"server": os.getpid(), **st.pids},
     })
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request) -> JSONBytesResponse:
+    """SGLang's model description (``RuntimeEndpoint`` reads ``model_path`` to pick its chat
+    template), plus radixserve's own fields."""
+    st = _state(request)
+    return JSONBytesResponse({
+        "model_path": st.model_path,
+        "tokenizer_path": st.info.get("tokenizer_path"),
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "served_model_name": st.model_name,
+        "context_length": st.info["context_length"],
+        "vocab_size": st.info["vocab_size"],
+        "eos_token_ids": st.info["eos_token_ids"],
+        "has_chat_template": bool(getattr(st.tokenizer, "chat_template", None)),
+    })
+
+
+@router.post("/apply_chat_template")
+async def apply_chat_template(body: ApplyChatTemplateRequest, request: Request) -> JSONBytesResponse:
+    """The prompt text ``/v1/chat/completions`` renders for these messages without tools, and
+    its token count (generating from it with ``/generate`` reuses what the chat route cached)."""
+    st = _state(request)
+    try:
+        text = render_without_tools(st.tokenizer, st.args.tool_call_parser, body)
+    except ChatTemplateError as e:
+        raise APIError(str(e), 400, param=e.param) from e
+    num_tokens = len(st.tokenizer.encode(text, add_special_tokens=False))
+    return JSONBytesResponse({"text": text, "num_tokens": num_tokens})
+
+
+@router.post("/concate_and_append_request")
+async def concate_and_append_request(request: Request) -> JSONBytesResponse:
+    """SGLang's frontend calls this after a fork, to append the branches' KV to the parent
+    request.  Nothing to do here: the client has already appended the branches' text to its
+    own prompt and sends the whole text with its next call, whose prefix the radix tree
+    serves from what the branches cached (or recomputes what it evicted)."""
+    return JSONBytesResponse({"success": True})
 
 
 @router.post("/flush_cache")

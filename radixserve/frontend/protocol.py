@@ -50,6 +50,7 @@ __all__ = [
     "RESPONSE_FORMAT_TYPES",
     "UNSUPPORTED",
     "AbortRequest",
+    "ApplyChatTemplateRequest",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -212,6 +213,18 @@ class _SamplingFields(RequestBody):
         return {k: v for k, v in d.items() if v is not None}
 
 
+def _check_continue_final(body: ChatCompletionRequest | ApplyChatTemplateRequest) -> None:
+    """``continue_final_message`` continues the last (assistant) message; the default
+    ``add_generation_prompt`` yields to it, an explicit true conflicts."""
+    if body.continue_final_message:
+        if body.messages[-1].role != "assistant":
+            raise reject("continue_final_message", "continue_final_message needs the last "
+                                                   "message to be an assistant message")
+        if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
+            raise reject("continue_final_message", "continue_final_message and "
+                                                   "add_generation_prompt cannot both be true")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
@@ -285,13 +298,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise unsupported("modalities")
         if self.top_logprobs and not self.logprobs:
             raise reject("top_logprobs", "top_logprobs requires logprobs=true")
-        if self.continue_final_message:
-            if self.messages[-1].role != "assistant":
-                raise reject("continue_final_message", "continue_final_message needs the last "
-                                                       "message to be an assistant message")
-            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
-                raise reject("continue_final_message", "continue_final_message and "
-                                                       "add_generation_prompt cannot both be true")
+        _check_continue_final(self)
         self._map_functions()
         return self
 
@@ -323,7 +330,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt = Field(16, ge=1, le=INT64_MAX)  # OpenAI's documented default for completions
+    # OpenAI's documented default for completions; 0 (with echo) scores the prompt only.
+    max_tokens: StrictInt = Field(16, ge=0, le=INT64_MAX)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     suffix: str | None = None  # UNSUPPORTED when non-empty
@@ -333,6 +341,9 @@ class CompletionRequest(_SamplingFields):
     def _check(self) -> CompletionRequest:
         if self.suffix:
             raise unsupported("suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise reject("max_tokens", "max_tokens must be >= 1 (0 is only valid with echo=true, "
+                                       "to score the prompt)")
         if self.best_of is not None and self.best_of < self.n:
             raise reject("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
         if self.best_of is not None and self.best_of > self.n:
@@ -365,8 +376,21 @@ SamplingParamsField = Annotated[
 ]
 
 
+# Native /generate fields of SGLang's naming features radixserve lacks (UNSUPPORTED): a value
+# that asks for nothing (null, false, empty, or a batch's list of nulls) is accepted.
+GENERATE_UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds", "lora_path",
+                        "session_id", "session_params", "custom_logit_processor",
+                        "token_ids_logprob", "return_hidden_states")
+
+
+def _asks_for_something(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(v is not None for v in value)
+    return value not in (None, False, "", {})
+
+
 class GenerateRequest(RequestBody):
-    """Native ``/generate`` (SGLang's shape)."""
+    """Native ``/generate`` (SGLang's shape; every field SGLang's frontend language sends)."""
 
     text: str | list[str] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
@@ -374,13 +398,43 @@ class GenerateRequest(RequestBody):
     stream: StrictBool = False
     return_logprob: StrictBool = False
     top_logprobs_num: StrictInt = Field(0, ge=0, le=20)
-    logprob_start_len: Int64 = -1  # prompt logprobs from this position (-1: none)
+    # Prompt logprobs from this position on; -1: the last prompt position only (SGLang's rule).
+    logprob_start_len: Int64 = -1
+    return_text_in_logprobs: StrictBool = False  # each logprob entry carries its token's text
     rid: str | None = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    lora_path: Any = None
+    session_id: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = None
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise reject("text", "give exactly one of text and input_ids")
+        for name in GENERATE_UNSUPPORTED:
+            if _asks_for_something(getattr(self, name)):
+                raise unsupported(name)
+        return self
+
+
+class ApplyChatTemplateRequest(RequestBody):
+    """``/apply_chat_template``: chat messages to the prompt text the chat route would render
+    for them without tools."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ApplyChatTemplateRequest:
+        _check_continue_final(self)
         return self
 
 

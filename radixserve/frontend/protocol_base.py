@@ -59,6 +59,18 @@ UNSUPPORTED: dict[str, str] = {
     "tools[].type": "tool types other than 'function' (custom tools)",
     "suffix": "a non-empty suffix (insertion)",
     "best_of": "best_of > n (server-side candidates ranked by log probability)",
+    # Native /generate fields of SGLang's that radixserve lacks (null, false or empty: fine).
+    "image_data": "image inputs (radixserve serves text-only models)",
+    "video_data": "video inputs (radixserve serves text-only models)",
+    "audio_data": "audio inputs (radixserve serves text-only models)",
+    "input_embeds": "prompts given as embeddings",
+    "lora_path": "LoRA adapters",
+    "session_id": "SGLang's sessions (the radix tree serves a conversation's shared prefix "
+    "without one)",
+    "session_params": "SGLang's sessions",
+    "custom_logit_processor": "custom logit processors",
+    "token_ids_logprob": "logprobs of chosen token ids (use top_logprobs_num)",
+    "return_hidden_states": "hidden states in the output",
 }
 
 

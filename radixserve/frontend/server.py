@@ -55,7 +55,8 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any], toke
                               slow_reader_timeout=args.slow_reader_timeout)
         await tm.start()
         state = ServerState(args=args, tm=tm, info=info, model_name=model_name,
-                            pids={name: p.pid for name, p in procs.procs.items()})
+                            pids={name: p.pid for name, p in procs.procs.items()},
+                            model_path=procs.model_path)
         app.state.server = state
 
         async def watchdog() -> None:

@@ -57,6 +57,7 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     shutting_down: bool = False
     pids: dict[str, int] = field(default_factory=dict)  # scheduler / detokenizer processes
+    model_path: str = ""  # the folder (or GGUF file) the model was loaded from
 
     @property
     def tokenizer(self) -> Any:
@@ -90,7 +91,7 @@ class ServerState:
         if self.shutting_down:
             raise APIError("the server is shutting down", 503)
         ctx = self.info["context_length"]
-        up_to_context = check_total and not (sampling or {}).get("max_new_tokens")
+        up_to_context = check_total and (sampling or {}).get("max_new_tokens") is None
         if up_to_context:  # an upper bound until the prompt's length is known
             sampling = {**(sampling or {}), "max_new_tokens": ctx}
         ids, params = self.tm.prepare(prompt, input_ids, sampling, logprob_start_len)

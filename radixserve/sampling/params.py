@@ -109,6 +109,42 @@ def _check_stop_token_ids(value: Any) -> list[int]:
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
+
+def _check_n(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        return f"sampling_params.n must be an integer >= 1, got {value!r}"
+    if value != 1:
+        return (f"sampling_params.n = {value} asks for several samples of one prompt, which "
+                "/generate and Engine.generate do not support; send the prompt n times in a "
+                "batch (the OpenAI routes take n)")
+    return None
+
+
+def _check_stop_regex(value: Any) -> str | None:
+    if value in ("", [], ()):
+        return None
+    return ("sampling_params.stop_regex asks for stopping on a regular expression, which "
+            "radixserve does not support; use stop strings or a regex constraint")
+
+
+def _check_spaces(value: Any) -> str | None:
+    if not isinstance(value, bool):
+        return f"sampling_params.spaces_between_special_tokens must be a boolean, got {value!r}"
+    if not value:
+        return ("sampling_params.spaces_between_special_tokens = false asks for a decoding "
+                "radixserve does not support")
+    return None
+
+
+# Fields SGLang's clients send (its frontend language sends every one of them) that name a
+# feature radixserve lacks: accepted at the value that asks for nothing (or null), refused
+# with a message naming them otherwise.  They are checked and dropped by ``from_dict``.
+SGLANG_ONLY_FIELDS: dict[str, Any] = {
+    "n": _check_n,
+    "stop_regex": _check_stop_regex,
+    "spaces_between_special_tokens": _check_spaces,
+}
+
 # What ``from_dict`` accepts, as a JSON schema, for API documents (the native /generate
 # route's OpenAPI schema).  The checks in ``SamplingParams.__post_init__`` are the reference;
 # this mirrors them.  Every field may also be null ("the default").
@@ -117,7 +153,7 @@ def _int(minimum: int = _INT64_MIN) -> dict[str, Any]:
 
 
 _FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
-    "max_new_tokens": _int(1),
+    "max_new_tokens": {**_int(0), "description": "0: compute (and cache) the prompt only"},
     "temperature": {"type": "number", "minimum": 0},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"anyOf": [{"const": -1}, _int(1)], "description": "-1: off"},
@@ -140,6 +176,11 @@ _FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
     "regex": {"type": "string"},
     "ebnf": {"type": "string", "description": "xgrammar's GBNF dialect, root rule 'root'"},
     "structural_tag": {"type": "string", "description": "an xgrammar structural tag, as a JSON string"},
+    # SGLANG_ONLY_FIELDS: only the values that ask for nothing.
+    "n": {"const": 1, "description": "several samples per prompt are not supported here"},
+    "stop_regex": {"anyOf": [{"const": ""}, {"type": "array", "maxItems": 0}],
+                   "description": "not supported: only empty"},
+    "spaces_between_special_tokens": {"const": True},
 }
 
 
@@ -156,7 +197,7 @@ def sampling_params_json_schema() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # 0: prefill only (the prompt is computed and cached; nothing sampled)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
@@ -213,9 +254,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             _check_bool(name, getattr(self, name))
 
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens < 0:
             raise ValueError(
-                f"sampling_params.max_new_tokens must be >= 1, got {self.max_new_tokens}"
+                f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}"
             )
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
@@ -241,19 +282,24 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         """Build from a request's JSON object.  A key set to ``None`` means "use the default"
-        (OpenAI clients send explicit nulls).  Unknown keys are an error, not ignored."""
+        (OpenAI and SGLang clients send explicit nulls).  Unknown keys are an error, not
+        ignored; ``SGLANG_ONLY_FIELDS`` are checked (refused when they ask for something)
+        and dropped."""
         if d is None:
             return cls()
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
         valid = [f.name for f in fields(cls)]
-        unknown = sorted(k for k in d if k not in valid)
+        unknown = sorted(k for k in d if k not in valid and k not in SGLANG_ONLY_FIELDS)
         if unknown:
             raise ValueError(
                 f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
-                f"valid: {', '.join(valid)}"
+                f"valid: {', '.join(valid + list(SGLANG_ONLY_FIELDS))}"
             )
-        return cls(**{k: v for k, v in d.items() if v is not None})
+        for name, check in SGLANG_ONLY_FIELDS.items():
+            if d.get(name) is not None and (error := check(d[name])) is not None:
+                raise ValueError(error)
+        return cls(**{k: v for k, v in d.items() if v is not None and k not in SGLANG_ONLY_FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of JSON types; ``from_dict(p.to_dict()) == p``."""

@@ -54,7 +54,7 @@ def reserve_decode_slots(
         for req in active:
             if kv.new_pages_needed(req, req.remaining_extend):
                 logger.warning("request %s cannot grow: KV pool exhausted; finishing it", req.rid)
-                req.finish_reason = FinishReason("length")
+                req.finish_reason = FinishReason("length", length=req.output_len)
                 out_of_memory.append(req)
         active = [r for r in active if r not in out_of_memory]
     for req in active:

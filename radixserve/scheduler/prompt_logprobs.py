@@ -57,8 +57,8 @@ class PromptLogprobs:
     ) -> PromptLogprobs | None:
         """State for a request, or None when it wants no prompt logprobs.
 
-        ``logprob_start_len`` -1 means none; a value outside ``[-1, prompt_len)`` raises
-        ValueError.  Without ``return_logprob`` no logprob is returned at all (SGLang's rule).
+        ``logprob_start_len`` -1 means none; ``prompt_len`` an empty list (nothing owed); a
+        value outside ``[-1, prompt_len]`` raises ValueError.  Without ``return_logprob`` no logprob is returned at all (SGLang's rule).
         """
         check_logprob_start_len(logprob_start_len, prompt_len)
         if not return_logprob or logprob_start_len < 0:

@@ -29,9 +29,13 @@ class ReqState(enum.Enum):
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None
+    length: int | None = None  # "length": the output's length when it stopped (SGLang reports it)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, "matched": self.matched}
+        d: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.type == "length":
+            d["length"] = self.length
+        return d
 
 
 class Req:

@@ -288,8 +288,14 @@ class Scheduler:
         logits = self.runner.forward(entries)
         for req, n in entries:
             req.kv_len += n
-        # Rows that sample: decodes, and prefills whose whole prompt is now computed.
-        sample_idx = [i for i, (r, _) in enumerate(entries) if r.kv_len == r.fill_len]
+        # Rows that sample: decodes, and prefills whose whole prompt is now computed, except
+        # prefill-only requests (max_new_tokens 0), which finish here with nothing sampled:
+        # their prompt goes to the tree when they are released, like any finished request's.
+        done = [i for i, (r, _) in enumerate(entries) if r.kv_len == r.fill_len]
+        sample_idx = [i for i in done if entries[i][0].params.max_new_tokens > 0]
+        for i in done:
+            if entries[i][0].params.max_new_tokens == 0:
+                entries[i][0].finish_reason = FinishReason("length", length=0)
         sample_reqs = [entries[i][0] for i in sample_idx]
         out = None
         if sample_reqs:

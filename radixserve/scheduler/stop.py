@@ -29,10 +29,8 @@ class StopChecker:
             matched = self._match_stop_string(req, new_tokens)
             if matched is not None:
                 return FinishReason("stop", matched)
-        if req.output_len >= params.max_new_tokens:
-            return FinishReason("length")
-        if req.fill_len >= self.context_len:
-            return FinishReason("length")
+        if req.output_len >= params.max_new_tokens or req.fill_len >= self.context_len:
+            return FinishReason("length", length=req.output_len)
         return None
 
     def _match_stop_string(self, req: Req, new_tokens: int = 1) -> str | None:

@@ -52,14 +52,17 @@ def build_chat_tiny_model(default_model_dir: str, folder: str, seed: int = 0) ->
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    """``env`` is added to ``base_env`` (default: this process's environment)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 base_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = tempfile.mktemp(prefix="radixserve-server-", suffix=".log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**(os.environ if base_env is None else base_env), **(env or {})})
 
     def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
