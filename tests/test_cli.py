@@ -55,7 +55,7 @@ def test_top_level_help_is_plain_text() -> None:
     (["generate", ""], "the prompt is empty"),
     # Checked before the model is looked for: the missing model is never reached.
     (["generate", "hi", "--temperature", "-1", "--model", "/nonexistent"], "temperature must be >= 0"),
-    (["generate", "hi", "--max-new-tokens", "0", "--model", "/nonexistent"], "max_new_tokens must be >= 1"),
+    (["generate", "hi", "--max-new-tokens", "-1", "--model", "/nonexistent"], "max_new_tokens must be >= 0"),
     (["chat", "--temperature", "-2", "--model", "/nonexistent"], "temperature must be >= 0"),
     (["serve", "--page-size", "0", "--model", "/nonexistent"], "page_size must be a positive integer"),
 ])
