@@ -56,6 +56,11 @@ def _renderer(backend: Backend) -> ChatRenderer:
     return found
 
 
+# The sampling keywords of run / run_batch: defaults for every gen that does not set its own.
+SAMPLING_DEFAULTS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+                     "frequency_penalty", "presence_penalty", "ignore_eos", "seed")
+
+
 def _defaults(**sampling: Any) -> dict[str, Any]:
     return {k: v for k, v in sampling.items() if v is not None}
 
@@ -134,7 +139,7 @@ class Program:
         if not batch_kwargs:
             return []
         be = _backend(backend)
-        unknown = set(sampling) - set(inspect.signature(self.run).parameters) - {"backend", "stream"}
+        unknown = set(sampling) - set(SAMPLING_DEFAULTS)
         if unknown:
             raise ValueError(f"run_batch got unknown sampling arguments {sorted(unknown)}")
         defaults = _defaults(**sampling)
