@@ -1,23 +1,40 @@
-"""Offline shared-prefix benchmark: radixserve with and without the radix cache vs HF generate.
+"""Offline benchmark: radixserve with and without the radix cache vs HF generate.
 
-Workload (SGLang's "generated-shared-prefix" shape): ``G`` groups, each one system prompt of
-``S`` tokens followed by ``P`` questions of ``Q`` tokens; ``O`` greedy output tokens per
-request (``ignore_eos``). Prompts are cut from real English text (standard-library docstrings,
-see ``bench/workloads.py``) to exact token counts. Requests are interleaved across groups
-(g0q0, g1q0, ..., g0q1, ...) and submitted at once as one ``Engine.generate`` batch.
+Workloads (``--workload``), ``O`` greedy output tokens per request (``ignore_eos``), prompts
+cut from real English text (standard-library docstrings, see ``bench/workloads.py``) to exact
+token counts:
+  shared-prefix  SGLang's "generated-shared-prefix" shape: ``G`` groups, each one system
+                 prompt of ``S`` tokens followed by ``P`` questions of ``Q`` tokens; requests
+                 interleaved across groups (g0q0, g1q0, ..., g0q1, ...), one batch
+  multi-turn     ``C`` conversations of ``T`` turns, each its own system prompt of ``S``
+                 tokens; turn ``t`` resends the history (system, earlier questions and
+                 answers) and question ``t`` of ``Q`` tokens; the conversations' turn ``t`` is
+                 one batch, submitted once turn ``t - 1`` is done
 
 Configurations, each in every ``--dtypes`` entry, each with a fresh model:
   radix      radixserve, radix cache on (defaults)
   no-radix   radixserve, ``disable_radix_cache=True``
   hf-static  transformers ``generate`` in static left-padded batches of ``--hf-batch``
 
-Wall time runs from submit to the last result (model load, engine start and a one-request
-warm-up excluded). A decode-only phase on the radix engine (``--overhead-check``: 64 short
-prompts, 32 output tokens) measures the scheduler overhead per step at 64 running requests.
+Wall time runs from each batch's submit to its last result, summed over the turns (model
+load, engine start and a one-request warm-up excluded). A decode-only phase on the radix engine
+(``--overhead-check``: 64 short prompts, 32 output tokens) measures the scheduler overhead per
+step at 64 running requests.
+
+Floor (``bench/matmul_floor.py``): the run's matmul FLOPs, from the tokens the scheduler
+computed, at the matmul rate this machine gives the model's own shapes in that dtype (timed in
+this process, on the scheduler's thread count, once per dtype); the table shows wall / floor.
+
+``--breakdown`` (``bench/offline_breakdown.py``): after the timed run, separate profiled passes
+(torch.profiler in the scheduler) split the step time into attention / linear / other /
+scheduler / sampling, for the workload and for a decode step of the shared-prefix prompts (64
+requests with 1k-token prefixes by default); the profiler's overhead stays out of the wall times.
 
     python bench/offline.py                    # full run (many minutes on a CPU)
     python bench/offline.py --quick            # tiny smoke run
     python bench/offline.py --dtypes float32,bfloat16 --configs radix,no-radix
+    python bench/offline.py --configs radix --dtypes bfloat16,float32 --breakdown
+    python bench/offline.py --workload multi-turn --conversations 16 --turns 4
 """
 
 from __future__ import annotations
@@ -25,6 +42,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,34 +50,45 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
-from bench.common import (  # noqa: E402
-    align_columns,
-    args_params,
-    machine_info,
-    target,
-    target_lines,
-    write_report,
+from bench.common import args_params, machine_info, target_lines, write_report  # noqa: E402
+from bench.matmul_floor import MatmulShapes, matmul_floor, matmul_rates, model_matmul_shapes  # noqa: E402
+from bench.offline_breakdown import Generate, decode_breakdown, format_breakdown, workload_breakdown  # noqa: E402
+from bench.offline_report import (  # noqa: E402
+    agreement_lines,
+    check_targets,
+    finish_rows,
+    floor_lines,
+    format_table,
+    overhead_lines,
 )
 from bench.workloads import (  # noqa: E402
-    SharedPrefixWorkload,
+    OfflineTurns,
+    multi_turn_workload,
+    offline_multi_turn,
+    offline_shared_prefix,
     shared_prefix_workload,
     short_prompts,
 )
 
 CONFIGS = ("radix", "no-radix", "hf-static")
+WORKLOADS = ("shared-prefix", "multi-turn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Counters of SchedulerStats that add up over requests, so a warm-up can be subtracted.
 ADDITIVE_STATS = (
     "requests_finished", "prompt_tokens", "cached_tokens", "prefill_tokens_computed",
-    "decode_tokens", "generation_tokens", "forward_steps", "decode_steps", "mixed_steps",
+    "decode_tokens", "lm_head_rows", "generation_tokens", "forward_steps", "decode_steps", "mixed_steps",
     "retractions", "evicted_tokens", "forward_seconds", "step_seconds",
 )
-TARGET_COMPUTED_OVER_UNIQUE = 1.1
-TARGET_SPEEDUP_VS_NO_RADIX = 4.0
-TARGET_SPEEDUP_VS_HF = 5.0
-TARGET_HIT_RATE = 0.85
-TARGET_OVERHEAD_MS = 2.0
 WARMUP_TEXT_IDS = [504, 3575, 314, 4649, 314]  # any few ids outside the timed workload
+
+
+@dataclass
+class RunContext:
+    """What the engine runs of one invocation share."""
+
+    shapes: MatmulShapes  # of the model, for the floor
+    decode_prompts: list[list[int]]  # the shared-prefix prompts: --breakdown's decode scenario
+    rates: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)  # (dtype, threads)
 
 
 # ---- radixserve ----------------------------------------------------------------------------
@@ -85,6 +114,28 @@ def greedy_params(output_len: int) -> dict[str, Any]:
     return {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
 
 
+def engine_generate(engine: Any) -> Generate:
+    """``generate(prompts, output_len)``: output ids of one batch submitted at once."""
+    def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        return results_ids(engine.generate(input_ids=prompts, sampling_params=greedy_params(output_len)))
+
+    return generate
+
+
+def run_turns(work: OfflineTurns, generate: Generate) -> tuple[float, list]:
+    """(wall seconds summed over the turns, outputs of every request in submit order)."""
+    wall, outputs = 0.0, []
+    prompts: list[list[int]] = []
+    answers: list[list[int]] = []
+    for turn in range(work.num_turns):
+        prompts = work.prompts(turn, prompts, answers)
+        t0 = time.perf_counter()
+        answers = generate(prompts, work.output_len)
+        wall += time.perf_counter() - t0
+        outputs.extend(answers)
+    return wall, outputs
+
+
 def timed_generate(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[float, list, dict]:
     """(wall seconds, results, stats delta) of one batch submitted at once."""
     before = engine.get_stats()
@@ -94,8 +145,19 @@ def timed_generate(engine: Any, prompts: list[list[int]], output_len: int) -> tu
     return wall, results, stats_delta(before, engine.get_stats())
 
 
+def floor_of(stats: dict[str, Any], dtype: str, threads: int, wall: float, ctx: RunContext) -> dict[str, Any]:
+    """The run's matmul floor; the rates are timed once per dtype and thread count."""
+    key = (dtype, threads)
+    if key not in ctx.rates:
+        ctx.rates[key] = matmul_rates(ctx.shapes, dtype, threads)
+    rates = ctx.rates[key]
+    floor = matmul_floor(ctx.shapes, rates, stats["prefill_tokens_computed"],
+                         stats["decode_tokens"], stats["lm_head_rows"])
+    return {"threads": threads, "rates_flop_per_s": rates, **floor, "wall_over_floor": wall / floor["floor_s"]}
+
+
 def run_radixserve(
-    config: str, dtype: str, work: SharedPrefixWorkload, args: argparse.Namespace, tokenizer: Any
+    config: str, dtype: str, work: OfflineTurns, args: argparse.Namespace, tokenizer: Any, ctx: RunContext
 ) -> dict[str, Any]:
     from radixserve import Engine
 
@@ -109,9 +171,12 @@ def run_radixserve(
         engine.generate(input_ids=WARMUP_TEXT_IDS, sampling_params=greedy_params(2))
         if not engine.flush_cache():
             raise RuntimeError("flush_cache refused after the warm-up")
-        wall, results, stats = timed_generate(engine, work.prompts, args.output_len)
+        generate = engine_generate(engine)
+        before = engine.get_stats()
+        wall, outputs = run_turns(work, generate)
+        stats = stats_delta(before, engine.get_stats())
         memory = engine.check_memory()
-        row = make_row(config, dtype, work, args.output_len, wall, results_ids(results))
+        row = make_row(config, dtype, work, wall, outputs)
         row.update(
             prefill_computed=stats["prefill_tokens_computed"],
             hit_rate=stats["cache_hit_rate"],
@@ -119,11 +184,17 @@ def run_radixserve(
             engine_settings=settings,
             memory_invariant_ok=bool(memory.get("ok")),
             stats=stats,
+            floor=floor_of(stats, dtype, engine.info["torch_threads"], wall, ctx),
         )
         if config == "radix" and args.overhead_check:
             if not engine.flush_cache():
                 raise RuntimeError("flush_cache refused before the overhead check")
             row["overhead_check"] = overhead_check(engine, tokenizer, args)
+        if args.breakdown:
+            step_ms = 1000 * stats["step_seconds"] / max(stats["forward_steps"], 1)
+            row["breakdown"] = {"workload": workload_breakdown(engine, lambda: run_turns(work, generate), step_ms)}
+            if config == "radix":
+                row["breakdown"]["decode"] = decode_breakdown(engine, generate, ctx.decode_prompts, args.output_len)
     return row
 
 
@@ -166,7 +237,7 @@ def hf_generate(model: Any, batch: list[list[int]], out_len: int, pad_id: int) -
 
 
 def run_hf_static(
-    dtype: str, work: SharedPrefixWorkload, args: argparse.Namespace, model_path: str, pad_id: int
+    dtype: str, work: OfflineTurns, args: argparse.Namespace, model_path: str, pad_id: int
 ) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
@@ -178,16 +249,25 @@ def run_hf_static(
     model = model.to(device).eval()
     load_s = time.perf_counter() - t0
     hf_generate(model, [WARMUP_TEXT_IDS], 2, pad_id)
-    batches = [work.prompts[i: i + args.hf_batch] for i in range(0, work.num_requests, args.hf_batch)]
-    outputs: list[list[int]] = []
-    t0 = time.perf_counter()
-    for batch in tqdm(batches, desc=f"hf-static {dtype}", unit="batch", disable=args.no_progress):
-        outputs.extend(hf_generate(model, batch, args.output_len, pad_id))
-    wall = time.perf_counter() - t0
-    row = make_row("hf-static", dtype, work, args.output_len, wall, outputs)
+    bar = tqdm(total=work.num_requests, desc=f"hf-static {dtype}", unit="req", disable=args.no_progress)
+    # Static batches compute every padded position: batch size x longest prompt.
+    padded = 0
+
+    def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        nonlocal padded
+        outputs: list[list[int]] = []
+        for i in range(0, len(prompts), args.hf_batch):
+            batch = prompts[i: i + args.hf_batch]
+            padded += len(batch) * max(len(p) for p in batch)
+            outputs.extend(hf_generate(model, batch, output_len, pad_id))
+            bar.update(len(batch))
+        return outputs
+
+    wall, outputs = run_turns(work, generate)
+    bar.close()
+    row = make_row("hf-static", dtype, work, wall, outputs)
     row.update(
-        # Static batches compute every padded position: batch size x longest prompt.
-        prefill_computed=sum(len(b) * max(len(p) for p in b) for b in batches),
+        prefill_computed=padded,
         hit_rate=0.0,
         model_load_s=load_s,
         hf_batch=args.hf_batch,
@@ -201,115 +281,31 @@ def results_ids(results: list[dict[str, Any]]) -> list[list[int]]:
     return [r["output_ids"] for r in results]
 
 
-def make_row(
-    config: str, dtype: str, work: SharedPrefixWorkload, out_len: int, wall: float, outputs: list
-) -> dict[str, Any]:
+def make_row(config: str, dtype: str, work: OfflineTurns, wall: float, outputs: list) -> dict[str, Any]:
     produced = sum(len(o) for o in outputs)
     return {
         "config": config,
         "dtype": dtype,
         "wall_s": wall,
         "output_tokens": produced,
-        "all_outputs_full_length": all(len(o) == out_len for o in outputs),
-        "output_tok_per_s": work.num_requests * out_len / wall,
+        "all_outputs_full_length": all(len(o) == work.output_len for o in outputs),
+        "output_tok_per_s": work.num_requests * work.output_len / wall,
         "unique_tokens": work.unique_tokens,
         "output_ids": outputs,
     }
 
 
-def finish_rows(rows: list[dict[str, Any]]) -> None:
-    """Ratios against the unique tokens and against the radix row of the same dtype."""
-    radix = {r["dtype"]: r for r in rows if r["config"] == "radix"}
-    for r in rows:
-        r["computed_over_unique"] = r["prefill_computed"] / r["unique_tokens"]
-        ref = radix.get(r["dtype"])
-        r["speedup_of_radix"] = r["wall_s"] / ref["wall_s"] if ref else None
-        r["outputs_match_radix"] = (
-            sum(a == b for a, b in zip(r["output_ids"], ref["output_ids"], strict=True))
-            / len(r["output_ids"])
-            if ref
-            else None
-        )
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ("config", "dtype", "wall s", "out tok/s", "prefill computed", "unique",
-              "computed/unique", "hit rate", "speedup vs radix")
-    lines = [header]
-    for r in rows:
-        speedup = "-" if r["speedup_of_radix"] is None else f"{r['speedup_of_radix']:.2f}x"
-        lines.append((
-            r["config"], r["dtype"], f"{r['wall_s']:.2f}", f"{r['output_tok_per_s']:.1f}",
-            str(r["prefill_computed"]), str(r["unique_tokens"]),
-            f"{r['computed_over_unique']:.2f}", f"{r['hit_rate']:.1%}", speedup,
-        ))
-    return align_columns(lines, left=(0, 1))
-
-
-def overhead_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines = []
-    for r in rows:
-        if r["config"] != "radix":
-            continue
-        by_batch = r["stats"]["overhead_ms_by_batch"]
-        largest = max(by_batch, key=int, default=None)
-        at_largest = f"{by_batch[largest]:.2f} ms at batch {largest}" if largest else "no decode-only step"
-        lines.append(
-            f"scheduler overhead ({r['dtype']}, workload): {at_largest}; "
-            f"{r['stats']['overhead_ms_per_step']:.2f} ms/step overall"
-        )
-        check = r.get("overhead_check")
-        if check:
-            at = check["overhead_ms_at_bucket"]
-            at_text = "n/a" if at is None else f"{at:.2f} ms"
-            lines.append(
-                f"scheduler overhead ({r['dtype']}, decode check, {check['requests']} requests): "
-                f"{at_text} at batch {check['bucket']}; {check['overhead_ms_per_step']:.2f} ms/step "
-                f"overall; forward {check['forward_ms_per_step']:.1f} ms/step"
-            )
-    return lines
-
-
-def agreement_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Greedy outputs identical to the radix run's (expected in float32; bf16 may drift)."""
-    return [
-        f"outputs equal to radix ({r['dtype']}): {r['config']} {r['outputs_match_radix']:.0%} of requests"
-        for r in rows
-        if r["config"] != "radix" and r["outputs_match_radix"] is not None
-    ]
-
-
-def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per target and dtype: value, limit, ok (None when not measured)."""
-    checks = []
-    by = {(r["config"], r["dtype"]): r for r in rows}
-    for dtype in dict.fromkeys(r["dtype"] for r in rows):
-        radix = by.get(("radix", dtype))
-        if radix is None:
-            continue
-        checks.append(target(dtype, "radix computed/unique <=", radix["computed_over_unique"],
-                             TARGET_COMPUTED_OVER_UNIQUE, at_least=False))
-        for other, limit in (("no-radix", TARGET_SPEEDUP_VS_NO_RADIX), ("hf-static", TARGET_SPEEDUP_VS_HF)):
-            row = by.get((other, dtype))
-            speedup = row["speedup_of_radix"] if row else None
-            checks.append(target(dtype, f"{other} wall / radix wall >=", speedup, limit, at_least=True))
-        checks.append(target(dtype, "radix hit rate >=", radix["hit_rate"], TARGET_HIT_RATE, at_least=True))
-        check = radix.get("overhead_check") or {}
-        bucket = check.get("bucket", "64")
-        value = check.get("overhead_ms_at_bucket", radix["stats"]["overhead_ms_by_batch"].get("64"))
-        checks.append(target(dtype, f"scheduler overhead ms at batch {bucket} <=", value,
-                             TARGET_OVERHEAD_MS, at_least=False))
-    return checks
-
-
 # ---- command line --------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     p.add_argument("--groups", "-G", type=int, default=4, help="system prompts (groups)")
     p.add_argument("--questions", "-P", type=int, default=16, help="questions per group")
     p.add_argument("--system-len", "-S", type=int, default=1024, help="tokens per system prompt")
     p.add_argument("--question-len", "-Q", type=int, default=48, help="tokens per question")
     p.add_argument("--output-len", "-O", type=int, default=32, help="output tokens per request")
+    p.add_argument("--conversations", "-C", type=int, default=16, help="multi-turn: conversations")
+    p.add_argument("--turns", "-T", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--seed", type=int, default=0, help="seeds the choice of text")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--dtypes", default="float32", help="comma list, e.g. float32,bfloat16")
@@ -323,13 +319,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overhead-requests", type=int, default=64)
     p.add_argument("--overhead-prompt-len", type=int, default=32)
     p.add_argument("--overhead-output-len", type=int, default=32)
-    p.add_argument("--quick", action="store_true", help="tiny smoke run (G=2 P=2 S=64 Q=8 O=4)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="profiled passes: step time by attention/linear/other/scheduler/sampling")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (G=2 P=2 S=64 Q=8 O=4, C=2 T=2)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar for hf-static")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "offline.json")
     args = p.parse_args(argv)
     if args.quick:
         args.groups, args.questions, args.system_len, args.question_len, args.output_len = 2, 2, 64, 8, 4
         args.overhead_requests, args.overhead_prompt_len, args.overhead_output_len = 8, 16, 4
+        args.conversations, args.turns = 2, 2
         args.hf_batch = min(args.hf_batch, 2)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -337,10 +336,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not args.configs or not args.dtypes:
         p.error(f"unknown or empty --configs/--dtypes {bad}; configs {CONFIGS}, dtypes {DTYPES}")
     for name in ("groups", "questions", "system_len", "question_len", "output_len", "hf_batch",
-                 "overhead_requests", "overhead_prompt_len", "overhead_output_len"):
+                 "overhead_requests", "overhead_prompt_len", "overhead_output_len", "conversations", "turns"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+def build_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[OfflineTurns, list[list[int]], str]:
+    """The timed workload, the shared-prefix prompts (the decode scenario of --breakdown), and
+    a line describing the workload."""
+    shared = shared_prefix_workload(
+        tokenizer, args.groups, args.questions, args.system_len, args.question_len, args.seed
+    )
+    if args.workload == "shared-prefix":
+        work = offline_shared_prefix(shared, args.output_len)
+        shape = (f"{shared.groups} groups x {shared.questions} questions, system {shared.system_len} + "
+                 f"question {shared.question_len} tokens")
+    else:
+        chats = multi_turn_workload(tokenizer, args.conversations, args.turns, args.system_len,
+                                    args.question_len, args.seed)
+        work = offline_multi_turn(chats, args.output_len)
+        shape = (f"{chats.conversations} conversations x {chats.turns} turns, system {chats.system_len} + "
+                 f"question {chats.question_len} tokens a turn")
+    line = (f"workload {work.name}: {shape}, {args.output_len} out; {work.num_requests} requests, "
+            f"{work.prompt_tokens} prompt tokens, {work.unique_tokens} unique")
+    return work, shared.prompts, line
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -351,14 +371,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model_path = args.model or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    work = shared_prefix_workload(
-        tokenizer, args.groups, args.questions, args.system_len, args.question_len, args.seed
-    )
-    print(
-        f"workload: {work.groups} groups x {work.questions} questions, system {work.system_len} + "
-        f"question {work.question_len} tokens, {args.output_len} out; {work.num_requests} requests, "
-        f"{work.prompt_tokens} prompt tokens, {work.unique_tokens} unique"
-    )
+    work, decode_prompts, line = build_workload(args, tokenizer)
+    print(line)
+    ctx = RunContext(model_matmul_shapes(args.model), decode_prompts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runs = [(d, c) for d in args.dtypes for c in args.configs]
     rows = []
@@ -367,26 +382,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if config == "hf-static":
             row = run_hf_static(dtype, work, args, model_path, pad_id)
         else:
-            row = run_radixserve(config, dtype, work, args, tokenizer)
+            row = run_radixserve(config, dtype, work, args, tokenizer, ctx)
         print(f"[{i}/{len(runs)}] {config} {dtype}: {row['wall_s']:.2f} s, "
               f"{row['prefill_computed']} prefill tokens computed", flush=True)
         rows.append(row)
     finish_rows(rows)
-    checks = check_targets(rows)
+    checks = check_targets(rows, work.name)
     print()
     print(format_table(rows))
-    for line in overhead_lines(rows) + agreement_lines(rows) + target_lines(checks):
-        print(line)
+    if args.breakdown:
+        print(format_breakdown(rows))
+    lines = floor_lines(rows) + overhead_lines(rows) + agreement_lines(rows) + target_lines(checks)
+    for text in lines:
+        print(text)
     report = {
-        "benchmark": "offline_shared_prefix",
+        "benchmark": f"offline_{work.name.replace('-', '_')}",
         "params": args_params(args),
         "machine": machine_info(),
         "workload": {
+            "name": work.name,
+            "turns": work.num_turns,
             "requests": work.num_requests,
             "prompt_tokens": work.prompt_tokens,
             "unique_tokens": work.unique_tokens,
             "output_tokens": work.num_requests * args.output_len,
             "text_source": "Python standard-library docstrings (bench/workloads.py)",
+        },
+        "matmul_shapes": {
+            "layers": [[k, m, n] for (k, m), n in ctx.shapes.layers.items()],  # in, out, count
+            "head": list(ctx.shapes.head),
         },
         "results": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows],
         "speedups": {

@@ -187,6 +187,61 @@ def unique_prompts(tokenizer: Any, count: int, prompt_len: int, seed: int) -> li
     return [stream.take(prompt_len) for _ in range(count)]
 
 
+# ---- offline runs (bench/offline.py) -------------------------------------------------------
+@dataclass(frozen=True)
+class OfflineTurns:
+    """A workload as batches submitted one after the other, each once the previous one is done.
+
+    Turn 0 submits ``first``; turn ``t >= 1`` resends each request's turn ``t - 1`` prompt and
+    answer (exactly ``output_len`` tokens), followed by ``followups[t - 1][i]``.
+    """
+
+    name: str
+    first: list[list[int]]
+    followups: list[list[list[int]]]
+    output_len: int
+    unique_tokens: int  # prompt tokens a perfect prefix cache computes
+
+    @property
+    def num_turns(self) -> int:
+        return 1 + len(self.followups)
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_turns * len(self.first)
+
+    @property
+    def prompt_tokens(self) -> int:
+        turn = sum(len(p) for p in self.first)
+        total = turn
+        for extra in self.followups:
+            turn += len(extra) * self.output_len + sum(len(q) for q in extra)
+            total += turn
+        return total
+
+    def prompts(self, turn: int, previous: list[list[int]], answers: list[list[int]]) -> list[list[int]]:
+        """Turn ``turn``'s prompts, given turn ``turn - 1``'s prompts and answers."""
+        if turn == 0:
+            return self.first
+        extra = self.followups[turn - 1]
+        return [p + a + q for p, a, q in zip(previous, answers, extra, strict=True)]
+
+
+def offline_shared_prefix(work: SharedPrefixWorkload, output_len: int) -> OfflineTurns:
+    """The shared-prefix prompts as one batch."""
+    return OfflineTurns("shared-prefix", work.prompts, [], output_len, work.unique_tokens)
+
+
+def offline_multi_turn(work: MultiTurnWorkload, output_len: int) -> OfflineTurns:
+    """Turn ``t`` of every conversation in one batch, turn after turn.  A perfect cache computes
+    each system prompt and question once and, of each earlier answer, only its last token:
+    the others went through the model while it was decoded, and stay in the cache."""
+    first = [system + qs[0] for system, qs in zip(work.systems, work.questions, strict=True)]
+    followups = [[qs[t] for qs in work.questions] for t in range(1, work.turns)]
+    unique = work.conversations * (work.system_len + work.turns * work.question_len + work.turns - 1)
+    return OfflineTurns("multi-turn", first, followups, output_len, unique)
+
+
 class BlockTexts:
     """Token blocks named by ids: equal ids give equal blocks, distinct ids distinct text.
 

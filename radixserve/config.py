@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -16,6 +17,21 @@ REASONING_PARSERS = ("qwen3", "deepseek-r1")
 DEFAULT_MAX_RUNNING_REQUESTS = 128  # rows of the request-to-token table when unset
 
 
+def cpu_bf16_feature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU feature that makes bfloat16 matmuls fast here ("AMX", "AVX-512 BF16"), or None.
+    Without one, torch emulates bfloat16 and float32 is faster."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX-512 BF16"
+    return None
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every field is a CLI flag (``--page-size``) and an Engine keyword (``page_size``).
@@ -25,7 +41,7 @@ class ServerArgs:
 
     model: str | None = None  # HF folder or .gguf file; None = embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None  # defaults to the model's
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+    dtype: str = "auto"  # bfloat16 on GPU and on CPUs with AMX or AVX-512 BF16, else float32
     device: str = "auto"  # cuda when available, else cpu
     attention_backend: str = "auto"  # triton on GPU, torch on CPU
     page_size: int | None = None  # tokens per KV page; 1 on CPU, 16 on GPU
@@ -129,7 +145,14 @@ class ServerArgs:
         elif device != "cpu" and not device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
         on_gpu = device.startswith("cuda")
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+        dtype = self.dtype
+        if dtype == "auto":
+            feature = cpu_bf16_feature()
+            dtype = "bfloat16" if on_gpu or feature else "float32"
+            if not on_gpu:
+                logging.getLogger("radixserve").info(
+                    "dtype auto: %s (%s)", dtype,
+                    f"this CPU has {feature}" if feature else "no bfloat16 matmul instructions")
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if on_gpu else "torch"

@@ -185,7 +185,9 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
         open_pipeline_sockets,
         parent_alive,
     )
+    from radixserve.threads import use_one_thread
 
+    use_one_thread()  # before the tokenizer loads torch: the scheduler owns the cores
     ignore_interrupts()
     configure_logging("detokenizer", log_level)
     exit_on_sigterm("detokenizer")

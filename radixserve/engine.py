@@ -26,6 +26,8 @@ from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 WATCHDOG_INTERVAL_S = 0.5
+# Aggregating a long profile (hundreds of thousands of ops) takes a while on a small CPU.
+PROFILE_STOP_TIMEOUT_S = 600.0
 
 
 class Engine:
@@ -268,6 +270,22 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return bool(self._call(self.tm.control("flush_cache"))["success"])
+
+    def start_profile(self) -> None:
+        """Run torch.profiler in the scheduler over the steps from now until :meth:`stop_profile`."""
+        self._control_checked("start_profile")
+
+    def stop_profile(self, timeout: float = PROFILE_STOP_TIMEOUT_S) -> dict[str, Any]:
+        """Where the steps since :meth:`start_profile` spent their time: ``steps``, ``step_s``
+        and ``attention_s``, ``linear_s``, ``other_s``, ``scheduler_s``, ``sampling_s`` (they
+        add up to ``step_s``); see ``radixserve/scheduler/profiling.py``."""
+        return self._control_checked("stop_profile", timeout)
+
+    def _control_checked(self, command: str, timeout: float = 30.0) -> dict[str, Any]:
+        result = self._call(self.tm.control(command, timeout))
+        if "error" in result:
+            raise RuntimeError(f"{command}: {result['error']}")
+        return result
 
     def shutdown(self) -> None:
         if self._loop is not None and self._loop.is_running():

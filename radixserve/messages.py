@@ -123,7 +123,8 @@ class AbortReq:
 
 @message("control")
 class ControlReq:
-    """``command``: ``stats`` | ``flush_cache`` | ``check_memory``; answered by ControlOut."""
+    """``command``: ``stats`` | ``flush_cache`` | ``check_memory`` | ``start_profile`` |
+    ``stop_profile``; answered by ControlOut."""
 
     cid: str
     command: str

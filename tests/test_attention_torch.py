@@ -1,4 +1,8 @@
-"""TorchAttentionBackend against a naive per-request float64 reference on random inputs."""
+"""The CPU attention backend against a naive per-request float64 reference on random inputs.
+
+Every case runs on both paths of the backend: the C++ paged kernel (the default; the test
+fails if it cannot be built) and the pure-torch gather path (the fallback).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,20 @@ import math
 import pytest
 import torch
 
-from radixserve.attention import create_backend
 from radixserve.attention.base import AttentionLayerInfo
+from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.cache.kv_pool import KVPool
 from radixserve.model.forward_batch import ForwardBatch
 
 NUM_LAYERS = 2
 HEAD_DIM = 16
+PATHS = ("kernel", "gather")
+
+
+def _backend(path: str) -> TorchAttentionBackend:
+    backend = TorchAttentionBackend(use_kernel=path == "kernel")
+    assert backend.uses_kernel == (path == "kernel"), "the C++ attention kernel did not build"
+    return backend
 
 
 def _reference(q, k_pool, v_pool, slot_rows, prefix_lens, extend_lens, num_heads, num_kv, scale):
@@ -42,6 +53,7 @@ def _run_case(
     num_kv: int,
     dtype: torch.dtype,
     seed: int,
+    path: str,
     layer_id: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -68,7 +80,7 @@ def _run_case(
     q = torch.randn((total, num_heads, HEAD_DIM), generator=gen).to(dtype)
     k = torch.randn((total, num_kv, HEAD_DIM), generator=gen).to(dtype)
     v = torch.randn((total, num_kv, HEAD_DIM), generator=gen).to(dtype)
-    backend = create_backend("torch")
+    backend = _backend(path)
     fb = ForwardBatch.build(
         input_ids=[0] * total,
         prefix_lens=prefix_lens,
@@ -109,19 +121,23 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("ratio", [1, 3, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_reference_float32(case: str, ratio: int) -> None:
+def test_matches_reference_float32(case: str, ratio: int, path: str) -> None:
     prefix_lens, extend_lens = CASES[case]
     num_kv = 2
-    out, ref = _run_case(prefix_lens, extend_lens, num_kv * ratio, num_kv, torch.float32, seed=7)
+    out, ref = _run_case(prefix_lens, extend_lens, num_kv * ratio, num_kv, torch.float32, seed=7,
+                         path=path)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["prefill_many", "extend_long_prefix", "mixed_extend_and_decodes"])
-def test_matches_reference_bfloat16(case: str) -> None:
+def test_matches_reference_half_precision(case: str, dtype: torch.dtype, path: str) -> None:
     prefix_lens, extend_lens = CASES[case]
-    out, ref = _run_case(prefix_lens, extend_lens, 6, 2, torch.bfloat16, seed=3)
+    out, ref = _run_case(prefix_lens, extend_lens, 6, 2, dtype, seed=3, path=path)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=5e-2, atol=3e-2)
 
@@ -129,22 +145,24 @@ def test_matches_reference_bfloat16(case: str) -> None:
 @pytest.mark.parametrize("chunk_bytes", [1, 100 * 256])  # 1 row per chunk / ~100 keys
 def test_many_decode_chunks(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> None:
     """Decode rows split over several gather chunks (grouped by length) land in the right rows."""
-    import radixserve.attention.torch_backend as tb
+    import radixserve.attention.gather_path as gp
 
-    monkeypatch.setattr(tb, "DECODE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(gp, "DECODE_CHUNK_BYTES", chunk_bytes)
     prefix_lens = [5, 60, 0, 33, 8, 2, 90, 1, 3, 12]
-    out, ref = _run_case(prefix_lens, [1] * 10, 8, 2, torch.float32, seed=11)
+    out, ref = _run_case(prefix_lens, [1] * 10, 8, 2, torch.float32, seed=11, path="gather")
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    out, ref = _run_case([5, 0, 33, 70, 2], [1, 9, 1, 1, 1], 8, 2, torch.float32, seed=12)
+    out, ref = _run_case([5, 0, 33, 70, 2], [1, 9, 1, 1, 1], 8, 2, torch.float32, seed=12,
+                         path="gather")
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def _run_explicit(slot_rows: list[list[int]], extend_lens: list[int], num_heads: int, num_kv: int,
-                  dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+                  dtype: torch.dtype, seed: int,
+                  path: str, head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
     """Like _run_case, but every request's slots are given (so prefixes can be shared)."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = max(max(r) for r in slot_rows) + 1
-    pool = KVPool(num_slots, NUM_LAYERS, num_kv, HEAD_DIM, dtype)
+    pool = KVPool(num_slots, NUM_LAYERS, num_kv, head_dim, dtype)
     for layer in range(NUM_LAYERS):
         for buf in pool.get_kv(layer):
             buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
@@ -155,26 +173,28 @@ def _run_explicit(slot_rows: list[list[int]], extend_lens: list[int], num_heads:
     prefix_lens = [len(r) - e for r, e in zip(slot_rows, extend_lens, strict=True)]
     new_slots = [s for r, e in zip(slot_rows, extend_lens, strict=True) for s in r[len(r) - e:]]
     total = sum(extend_lens)
-    q = torch.randn((total, num_heads, HEAD_DIM), generator=gen).to(dtype)
-    k = torch.randn((total, num_kv, HEAD_DIM), generator=gen).to(dtype)
-    v = torch.randn((total, num_kv, HEAD_DIM), generator=gen).to(dtype)
-    backend = create_backend("torch")
+    q = torch.randn((total, num_heads, head_dim), generator=gen).to(dtype)
+    k = torch.randn((total, num_kv, head_dim), generator=gen).to(dtype)
+    v = torch.randn((total, num_kv, head_dim), generator=gen).to(dtype)
+    backend = _backend(path)
     fb = ForwardBatch.build(
         input_ids=[0] * total, prefix_lens=prefix_lens, extend_lens=extend_lens,
         req_pool_indices=list(range(1, len(slot_rows) + 1)), out_cache_loc=torch.tensor(new_slots),
         req_to_token=req_to_token, kv_pool=pool, attn_backend=backend,
     )
-    scale = 1 / math.sqrt(HEAD_DIM)
-    out = backend.forward(q, k, v, AttentionLayerInfo(0, num_heads, num_kv, HEAD_DIM, scale), fb)
+    scale = 1 / math.sqrt(head_dim)
+    out = backend.forward(q, k, v, AttentionLayerInfo(0, num_heads, num_kv, head_dim, scale), fb)
     k_pool, v_pool = pool.get_kv(0)
     ref = _reference(q, k_pool, v_pool, [torch.tensor(r) for r in slot_rows], prefix_lens,
                      extend_lens, num_heads, num_kv, scale)
     return out, ref, fb
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("heads, kv", [(4, 4), (3, 1), (8, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_rows_sharing_a_cached_prefix(heads: int, kv: int, dtype: torch.dtype) -> None:
+def test_decode_rows_sharing_a_cached_prefix(heads: int, kv: int, dtype: torch.dtype,
+                                             path: str) -> None:
     """Rows whose tables share prefix slots (radix-tree hits) use the shared-prefix path."""
     gen = torch.Generator().manual_seed(heads)
     fresh = iter((torch.randperm(5000, generator=gen) + 1).tolist())
@@ -197,20 +217,85 @@ def test_decode_rows_sharing_a_cached_prefix(heads: int, kv: int, dtype: torch.d
     extend.append(1)
     rows.append(trunk_a + [next(fresh) for _ in range(6)])  # an extend row in the same batch
     extend.append(6)
-    out, ref, fb = _run_explicit(rows, extend, heads, kv, dtype, seed=heads)
-    shared = fb.attn_metadata.decode.shared
-    assert shared is not None and len(shared.groups) == 2
+    out, ref, fb = _run_explicit(rows, extend, heads, kv, dtype, seed=heads, path=path)
+    if path == "gather":
+        shared = fb.attn_metadata.decode.shared
+        assert shared is not None and len(shared.groups) == 2
+    else:  # the kernel also shares with the extend row of group A
+        assert fb.attn_metadata.shared_groups == 2
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
 def test_extend_rows_of_very_different_lengths_are_not_padded_together() -> None:
-    from radixserve.attention.torch_backend import bucket_extend_rows
+    from radixserve.attention.gather_path import bucket_extend_rows
 
     extend = [1024] + [48] * 15
     seq = [1024] + [1072] * 15
     buckets = bucket_extend_rows(list(range(16)), extend, seq)
     assert buckets[0] == [0] and sorted(b for g in buckets[1:] for b in g) == list(range(1, 16))
     # ... and the result is still exact in such a batch.
-    out, ref = _run_case([0, 300, 300, 5], [200, 12, 9, 1], 4, 2, torch.float32, seed=5)
+    out, ref = _run_case([0, 300, 300, 5], [200, 12, 9, 1], 4, 2, torch.float32, seed=5,
+                         path="gather")
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_kernel_head_sizes_and_shared_extends(head_dim: int) -> None:
+    """Every head size the kernel is built for, on a batch where extend rows (questions after a
+    shared system prompt) and decode rows share one cached prefix, plus a fresh prompt."""
+    gen = torch.Generator().manual_seed(head_dim)
+    fresh = iter((torch.randperm(9000, generator=gen) + 1).tolist())
+    trunk = [next(fresh) for _ in range(200)]
+    rows, extend = [], []
+    for n, e in ((13, 13), (40, 40), (25, 1), (3, 1), (70, 70)):
+        rows.append(trunk + [next(fresh) for _ in range(n)])
+        extend.append(e)
+    rows.append([next(fresh) for _ in range(57)])  # fresh prompt, no prefix
+    extend.append(57)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        out, ref, fb = _run_explicit(rows, extend, 8, 2, dtype, seed=head_dim, path="kernel",
+                                     head_dim=head_dim)
+        assert fb.attn_metadata.shared_groups == 1
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_kernel_plan_does_not_grow_with_the_cached_context() -> None:
+    """The pool is read in place: the per-step plan holds O(new tokens + requests) integers,
+    the same for 10 or 5000 cached tokens."""
+    from radixserve.attention.paged_plan import build_plan
+
+    sizes = []
+    for cached in (10, 5000):
+        table = torch.arange(4 * (cached + 8), dtype=torch.int32).view(4, cached + 8)
+        plan = build_plan(table.numpy(), [0, 1, 2, 3], [cached] * 4, [1, 1, 1, 5])
+        sizes.append([t.numel() for t in plan.args()])
+    assert sizes[0] == sizes[1]
+
+
+def test_kernel_plan_groups_and_entries() -> None:
+    """Rows sharing their first slots form one shared job over the common run; each of their
+    query rows has two entries (shared, own); a row outside every group has one."""
+    from radixserve.attention.paged_plan import build_plan
+
+    table = torch.zeros((4, 120), dtype=torch.int32)
+    common = torch.arange(1, 81, dtype=torch.int32)
+    table[0, :80] = common
+    table[1, :80] = common
+    table[1, 50:80] += 1000  # row 1 diverges at column 50
+    table[2, :100] = torch.arange(2001, 2101, dtype=torch.int32)
+    plan = build_plan(table.numpy(), [0, 1, 2], [70, 75, 99], [2, 1, 1])
+    assert plan.shared_groups == 1
+    assert plan.job_row.tolist() == [0, 0, 1, 2]  # shared job, then one own job per request
+    assert plan.job_kv_begin.tolist() == [0, 50, 50, 0]
+    assert plan.job_entry_ptr.tolist() == [0, 3, 5, 6, 7]
+    assert plan.entry_row.tolist() == [0, 1, 2, 0, 1, 2, 3]
+    assert plan.entry_limit.tolist() == [50, 50, 50, 71, 72, 76, 100]
+    assert plan.row_entry_ptr.tolist() == [0, 2, 4, 6, 7]
+    assert plan.row_entries.tolist() == [3, 0, 4, 1, 5, 2, 6]
+
+
+def test_more_query_heads_per_kv_head_than_the_kernel_takes_falls_back() -> None:
+    """40 query heads on one KV head (beyond the kernel's 32): the forward gathers instead."""
+    out, ref = _run_case([30, 0], [1, 12], 40, 1, torch.float32, seed=9, path="kernel")
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

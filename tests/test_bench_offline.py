@@ -1,7 +1,7 @@
-"""Smoke test of bench/offline.py (the shared-prefix benchmark) and its workload generator.
+"""Smoke test of bench/offline.py (the offline benchmark) and its workload generators.
 
-No timing assertions: the numbers depend on the machine; only their shape and the token
-accounting are checked.
+No timing assertions: the numbers depend on the machine; only their shape, the token
+accounting and the arithmetic between the reported numbers are checked.
 """
 
 from __future__ import annotations
@@ -16,7 +16,18 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.workloads import shared_prefix_workload  # noqa: E402
+from bench.workloads import (  # noqa: E402
+    multi_turn_workload,
+    offline_multi_turn,
+    offline_shared_prefix,
+    shared_prefix_workload,
+)
+
+# The default model (SmolLM2-135M): per layer fused q/k/v 576 -> 576 + 2 x 192, o_proj, fused
+# gate/up 576 -> 2 x 1536, down; 30 layers; LM head 576 -> 49152.
+DEFAULT_MODEL_SHAPES = {"layers": [[576, 960, 30], [576, 576, 30], [576, 3072, 30], [1536, 576, 30]],
+                        "head": [576, 49152]}
+BREAKDOWN_CATEGORIES = ("attention", "linear", "other", "scheduler", "sampling")
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +56,110 @@ def test_workload_has_exact_sizes_shared_systems_and_distinct_questions(tokenize
     assert again.prompts == work.prompts
     other = shared_prefix_workload(tokenizer, groups, questions, system_len, question_len, seed=6)
     assert other.prompts != work.prompts
+
+
+def test_multi_turn_turns_resend_the_history(tokenizer) -> None:
+    chats = multi_turn_workload(tokenizer, conversations=3, turns=3, system_len=20, question_len=5, seed=2)
+    work = offline_multi_turn(chats, output_len=4)
+    assert (work.num_turns, work.num_requests) == (3, 9)
+    answers0 = [[100 + c, 1, 2, 3] for c in range(3)]
+    answers1 = [[200 + c, 1, 2, 3] for c in range(3)]
+    turn0 = work.prompts(0, [], [])
+    turn1 = work.prompts(1, turn0, answers0)
+    turn2 = work.prompts(2, turn1, answers1)
+    for c in range(3):
+        system, qs = chats.systems[c], chats.questions[c]
+        assert turn0[c] == system + qs[0]
+        assert turn2[c] == system + qs[0] + answers0[c] + qs[1] + answers1[c] + qs[2]
+    assert work.prompt_tokens == sum(len(p) for p in turn0 + turn1 + turn2)
+    # A perfect cache computes systems and questions once, and the last token of each answer.
+    assert work.unique_tokens == 3 * (20 + 3 * 5) + 3 * 2
+    shared = offline_shared_prefix(shared_prefix_workload(tokenizer, 2, 3, 16, 4, seed=1), output_len=2)
+    assert shared.num_turns == 1 and shared.prompts(0, [], []) == shared.first
+
+
+def check_floor(row: dict, shapes: dict) -> None:
+    """The floor is the row's matmul FLOPs (from what its scheduler computed) at the rates."""
+    floor, stats = row["floor"], row["stats"]
+    layer_params = sum(k * m * n for k, m, n in shapes["layers"])
+    head_params = shapes["head"][0] * shapes["head"][1]
+    assert floor["prefill_flops"] == 2 * layer_params * stats["prefill_tokens_computed"]
+    assert floor["decode_flops"] == 2 * layer_params * stats["decode_tokens"]
+    assert floor["head_flops"] == 2 * head_params * stats["lm_head_rows"]
+    assert floor["flops"] == floor["prefill_flops"] + floor["decode_flops"] + floor["head_flops"]
+    rates = floor["rates_flop_per_s"]
+    assert set(rates) == {"layers@64", "layers@512", "head@64"} and min(rates.values()) > 0
+    assert floor["floor_s"] == pytest.approx(floor["prefill_flops"] / rates["layers@512"]
+                                             + floor["decode_flops"] / rates["layers@64"]
+                                             + floor["head_flops"] / rates["head@64"])
+    assert floor["floor_s"] > 0 and floor["threads"] >= 1
+    assert floor["wall_over_floor"] == pytest.approx(row["wall_s"] / floor["floor_s"])
+
+
+@pytest.mark.slow
+def test_quick_breakdown_splits_the_step_time_and_reports_the_floor(tmp_path) -> None:
+    from bench.offline import main
+
+    out = tmp_path / "offline.json"
+    main(["--quick", "--breakdown", "--configs", "radix", "--no-overhead-check", "--no-progress",
+          "--out", str(out)])
+    report = json.loads(out.read_text())
+    params = report["params"]
+    n_requests = params["groups"] * params["questions"]
+    assert report["matmul_shapes"] == DEFAULT_MODEL_SHAPES
+    (row,) = report["results"]
+    # Each request is prefilled in one forward, then decoded: one LM-head row per forward each.
+    stats = row["stats"]
+    assert stats["decode_tokens"] == n_requests * (params["output_len"] - 1)
+    assert stats["lm_head_rows"] == stats["decode_tokens"] + n_requests
+    check_floor(row, report["matmul_shapes"])
+
+    breakdown = row["breakdown"]
+    assert set(breakdown) == {"workload", "decode"}
+    for name, b in breakdown.items():
+        assert b["steps"] >= params["output_len"], name
+        assert sum(b[f"{c}_s"] for c in BREAKDOWN_CATEGORIES) == pytest.approx(b["step_s"]), name
+        assert sum(b[f"{c}_share"] for c in BREAKDOWN_CATEGORIES) == pytest.approx(1.0), name
+        for c in BREAKDOWN_CATEGORIES:
+            assert b[f"{c}_s"] >= 0, (name, c)
+            assert b[f"{c}_ms"] == pytest.approx(1000 * b[f"{c}_s"] / b["steps"]), (name, c)
+        assert b["attention_s"] > 0 and b["linear_s"] > 0, name
+        assert b["profiled_step_ms"] == pytest.approx(1000 * b["step_s"] / b["steps"])
+        assert b["unprofiled_step_ms"] > 0, name
+    assert breakdown["workload"]["unprofiled_step_ms"] == pytest.approx(
+        1000 * stats["step_seconds"] / stats["forward_steps"])
+    decode = breakdown["decode"]
+    assert (decode["requests"], decode["output_len"]) == (n_requests, params["output_len"])
+    assert decode["decode_steps"] >= params["output_len"] - 1
+    assert 1 <= decode["decode_rows_per_step"] <= n_requests
+    targets = {t["target"]: t for t in report["targets"]}
+    share = targets[f"decode step at {n_requests} requests: attention share <="]
+    assert share["value"] == decode["attention_share"] and share["limit"] == 0.35
+
+
+@pytest.mark.slow
+def test_quick_multi_turn_computes_only_the_unique_tokens(tmp_path) -> None:
+    from bench.offline import main
+
+    out = tmp_path / "offline.json"
+    main(["--quick", "--workload", "multi-turn", "--configs", "radix,no-radix", "--no-overhead-check",
+          "--no-progress", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "offline_multi_turn"
+    params, workload = report["params"], report["workload"]
+    conversations, turns, out_len = params["conversations"], params["turns"], params["output_len"]
+    assert (workload["turns"], workload["requests"]) == (turns, conversations * turns)
+    assert workload["unique_tokens"] == conversations * (
+        params["system_len"] + turns * params["question_len"] + turns - 1)
+    rows = {r["config"]: r for r in report["results"]}
+    for r in rows.values():
+        assert r["output_tokens"] == conversations * turns * out_len and r["all_outputs_full_length"]
+        check_floor(r, report["matmul_shapes"])
+    # Each turn finds the history in the tree: all but the last answer token of the last turn.
+    assert rows["radix"]["prefill_computed"] == workload["unique_tokens"]
+    assert rows["no-radix"]["prefill_computed"] == workload["prompt_tokens"]
+    assert rows["no-radix"]["outputs_match_radix"] == 1.0
+    assert "radix hit rate >=" not in {t["target"] for t in report["targets"]}
 
 
 @pytest.mark.slow
@@ -88,6 +203,9 @@ def test_quick_benchmark_writes_sane_json(tmp_path, tokenizer) -> None:
     assert no_radix["prefill_computed"] == hf["prefill_computed"] == prompt_tokens
     assert no_radix["hit_rate"] == hf["hit_rate"] == 0.0
     assert radix["memory_invariant_ok"] and no_radix["memory_invariant_ok"]
+    check_floor(radix, report["matmul_shapes"])
+    check_floor(no_radix, report["matmul_shapes"])
+    assert "floor" not in hf and "breakdown" not in radix
     # float32 greedy decoding agrees across the three implementations.
     assert no_radix["outputs_match_radix"] == hf["outputs_match_radix"] == 1.0
 

@@ -18,7 +18,7 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def engine(default_model_path):
-    with Engine(max_total_tokens=8192, random_seed=1) as eng:
+    with Engine(max_total_tokens=8192, random_seed=1, dtype="float32") as eng:
         yield eng
 
 
@@ -225,7 +225,7 @@ def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, kwargs, f
 
 
 def test_shutdown_leaves_no_process(default_model_path) -> None:
-    eng = Engine(max_total_tokens=1024)
+    eng = Engine(max_total_tokens=1024, dtype="float32")
     pids = [p.pid for p in eng.procs.procs.values()]
     assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
     assert eng.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
@@ -233,4 +233,4 @@ def test_shutdown_leaves_no_process(default_model_path) -> None:
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     with pytest.raises(ValueError, match="unknown setting"):
-        Engine(max_total_token=5)
+        Engine(max_total_token=5, dtype="float32")

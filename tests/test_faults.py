@@ -281,7 +281,7 @@ def test_stream_stopped_by_its_client_closes_its_source() -> None:
 def test_detokenizer_error_fails_the_request_and_nothing_dies(tiny_chat_model) -> None:
     from radixserve import Engine
 
-    with Engine(tiny_chat_model, max_total_tokens=4096, context_length=2048) as eng:
+    with Engine(tiny_chat_model, max_total_tokens=4096, context_length=2048, dtype="float32") as eng:
         pids = [p.pid for p in eng.procs.procs.values()]
         # Long enough that the request is still running when the bad frame arrives, however
         # slow the machine; the front end aborts it once its error is delivered.
@@ -404,7 +404,7 @@ def test_killed_http_process_closes_streams_and_leaves_no_orphan(tiny_chat_model
 def engine_kill(folder: str, victim: str) -> None:
     from radixserve import Engine
 
-    eng = Engine(folder, max_total_tokens=4096, context_length=2048)
+    eng = Engine(folder, max_total_tokens=4096, context_length=2048, dtype="float32")
     try:
         procs = {name: psutil.Process(p.pid) for name, p in eng.procs.procs.items()}
         result: dict[str, Any] = {}

@@ -538,7 +538,7 @@ def test_slow_compile_does_not_delay_other_requests(tiny_chat_model, tok, prompt
 def engine(tiny_chat_model: str) -> Any:
     from radixserve import Engine
 
-    with Engine(model=tiny_chat_model, max_total_tokens=8192, random_seed=3) as eng:
+    with Engine(model=tiny_chat_model, max_total_tokens=8192, random_seed=3, dtype="float32") as eng:
         yield eng
 
 
@@ -645,7 +645,7 @@ def test_engine_bad_grammar_next_to_requests_in_flight(checked_engine) -> None:
 def test_engine_without_a_grammar_backend(tiny_chat_model) -> None:
     from radixserve import Engine
 
-    with Engine(model=tiny_chat_model, max_total_tokens=2048, grammar_backend="none") as engine:
+    with Engine(model=tiny_chat_model, max_total_tokens=2048, grammar_backend="none", dtype="float32") as engine:
         with pytest.raises(ValueError, match="json_schema.*grammar-backend none"):
             engine.generate("x", {"json_schema": PERSON_TEXT, "max_new_tokens": 5})
         out = engine.generate("x", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})

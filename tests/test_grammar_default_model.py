@@ -152,7 +152,7 @@ def test_arithmetic_ebnf_matches_hf_and_evaluates(scheds, tok, default_model_pat
 def test_engine_with_the_default_model(default_model_path, avoid) -> None:
     from radixserve import Engine
 
-    with Engine(max_total_tokens=8192, random_seed=5) as engine:
+    with Engine(max_total_tokens=8192, random_seed=5, dtype="float32") as engine:
         prompt = "Describe a person as JSON: name, age, city, languages."
         params = {"json_schema": json.dumps(PERSON), "max_new_tokens": 90, "temperature": 0}
         out = engine.generate(prompt, params)

@@ -130,7 +130,7 @@ def test_non_streaming_ttft_is_the_first_tokens_time(server) -> None:
 def test_engine_batch_failure_aborts_the_other_requests(tiny_chat_model) -> None:
     from radixserve import Engine
 
-    with Engine(tiny_chat_model, max_total_tokens=8000, context_length=2048) as engine:
+    with Engine(tiny_chat_model, max_total_tokens=8000, context_length=2048, dtype="float32") as engine:
         params = [{"regex": "(unclosed", "max_new_tokens": 4}] + [dict(LONG) for _ in range(3)]
         with pytest.raises(ValueError, match="regex"):
             engine.generate(["a b", "c d", "e f", "g h"], params, progress=True)
@@ -148,7 +148,7 @@ def _start_engine_in(model: str, result) -> None:
     from radixserve import Engine
 
     try:
-        Engine(model)
+        Engine(model, dtype="float32")
         result.put("started")
     except RuntimeError as e:
         result.put(str(e))
@@ -187,7 +187,7 @@ def test_errors_name_the_request_field(server, route: str, body: dict, param: st
 def test_engine_refuses_a_prompt_with_a_lone_surrogate(tiny_chat_model) -> None:
     from radixserve import Engine
 
-    with Engine(tiny_chat_model, max_total_tokens=2048) as engine:
+    with Engine(tiny_chat_model, max_total_tokens=2048, dtype="float32") as engine:
         with pytest.raises(ValueError, match="lone surrogate"):
             engine.generate("hi \ud800", {"max_new_tokens": 2})
         assert engine.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2

@@ -309,7 +309,7 @@ def frames() -> st.SearchStrategy[bytes]:
 def engine(tiny_chat_model: str) -> Any:
     from radixserve import Engine
 
-    with Engine(tiny_chat_model, max_total_tokens=4096, context_length=256, random_seed=0) as eng:
+    with Engine(tiny_chat_model, max_total_tokens=4096, context_length=256, random_seed=0, dtype="float32") as eng:
         yield eng
 
 

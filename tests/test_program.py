@@ -41,7 +41,7 @@ METHODS = [token_length_normalized, greedy_token_selection, unconditional_likeli
 def engine(tiny_chat_model: str) -> Iterator[Any]:
     from radixserve import Engine
 
-    with Engine(tiny_chat_model, max_total_tokens=16384, context_length=2048) as eng:
+    with Engine(tiny_chat_model, max_total_tokens=16384, context_length=2048, dtype="float32") as eng:
         yield eng
 
 

@@ -221,7 +221,7 @@ def test_engine_prompt_logprobs(tiny_chat_model) -> None:
     from radixserve import Engine
 
     ids = list(range(300, 318))
-    with Engine(model=tiny_chat_model, max_total_tokens=2048, context_length=256) as engine:
+    with Engine(model=tiny_chat_model, max_total_tokens=2048, context_length=256, dtype="float32") as engine:
         params = {"max_new_tokens": 2, "temperature": 0}
         out = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True,
                               top_logprobs_num=2, logprob_start_len=1)

@@ -37,6 +37,7 @@ from radixserve.frontend.serving import ServerState
 from radixserve.frontend.tokenizer_manager import TokenizerManager
 from radixserve.launcher import ProcessGroup
 from radixserve.logging_utils import configure_logging
+from radixserve.threads import use_one_thread
 from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("radixserve.server")
@@ -154,6 +155,7 @@ def run_server(args: ServerArgs) -> int:
     exit_code = 0
     try:
         info = procs.start()
+        use_one_thread()  # the children are started: the scheduler owns the cores
         tokenizer = load_tokenizer(info["tokenizer_path"])
         server: uvicorn.Server | None = None
 

@@ -19,9 +19,11 @@ from torch import nn
 from radixserve.attention.base import AttentionLayerInfo
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from radixserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, fused_ops
 
 _ACTIVATIONS = {"silu": F.silu}
+# Profiler scope around each layer's attention backend call (bench/offline.py --breakdown).
+ATTENTION_SCOPE = "radixserve.attention"
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
-        return self.o_proj(fb.attn_backend.forward(q, k, v, info, fb))
+        with torch.profiler.record_function(ATTENTION_SCOPE):
+            attn = fb.attn_backend.forward(q, k, v, info, fb)
+        return self.o_proj(attn)
 
 
 class MLP(nn.Module):
@@ -76,7 +80,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops(gate_up)
+        if ops is not None and self.act is F.silu and gate_up.is_contiguous():
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -89,10 +97,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, spec)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        fb: ForwardBatch,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Adds ``delta`` (the previous layer's MLP output; None for the first layer) to the
+        residual stream in place, and returns this layer's MLP output: the adds fuse with the
+        norms that follow them."""
+        if delta is None:
+            h = self.input_layernorm(residual)
+        else:
+            h = self.input_layernorm.add_forward(residual, delta)
+        attn = self.self_attn(h, cos, sin, fb)
+        return self.mlp(self.post_attention_layernorm.add_forward(residual, attn))
 
 
 class DecoderModel(nn.Module):
@@ -140,12 +160,14 @@ class CausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits ``[B + E, vocab]``: each request's last new token, then the E extra
         rows ``fb.extra_logits_indices`` (none unless a request asked for prompt logprobs)."""
-        x = self.model.embed_tokens(fb.input_ids)
-        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)
+        residual = self.model.embed_tokens(fb.input_ids)
+        cos, sin = self.rotary.cos_sin(fb.positions, residual.dtype)
+        delta = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, fb)
+            delta = layer(delta, residual, cos, sin, fb)
         # Only the rows the sampler (and prompt logprobs) read go through the norm and LM head.
-        x = self.model.norm(x.index_select(0, fb.logits_indices))
+        rows = fb.logits_indices
+        x = self.model.norm(residual.index_select(0, rows) + delta.index_select(0, rows))
         return F.linear(x, self.lm_head_weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

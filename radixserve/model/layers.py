@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve import cpu_ext
 from radixserve.model.config import RopeConfig
+
+
+def fused_ops(x: torch.Tensor):  # noqa: ANN201 - the compiled module or None
+    """The C++ fused elementwise ops for ``x``, or None (not on a CPU, or no kernel build)."""
+    return cpu_ext.load() if x.device.type == "cpu" else None
 
 
 class RMSNorm(nn.Module):
@@ -20,10 +26,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops(x)
+        if ops is not None and x.dim() == 2 and x.is_contiguous():
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``residual += delta`` (in place, rounded to its dtype), then the norm of it."""
+        ops = fused_ops(residual)
+        if ops is not None and residual.dim() == 2 and residual.is_contiguous():
+            return ops.add_rms_norm(residual, delta, self.weight, self.eps)
+        residual.add_(delta)
+        return self(residual)
 
 
 class MergedLinear(nn.Module):
@@ -95,7 +112,11 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x``: [T, heads, D]."""
+        """``x``: [T, heads, D]; ``cos``/``sin``: [T, 1, D].  May rotate ``x`` in place."""
+        ops = fused_ops(x)
+        if ops is not None and x.stride(-1) == 1 and x.stride(1) == x.shape[-1]:
+            ops.rotary_(x, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+            return x
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

@@ -11,6 +11,7 @@ from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
 from radixserve.scheduler import prompt_logprobs
+from radixserve.scheduler.profiling import FORWARD_SCOPE, SAMPLING_SCOPE
 from radixserve.scheduler.request import Req
 
 
@@ -30,6 +31,15 @@ class ModelRunner:
         self.req_pool = req_pool
         self.backend = create_backend(attention_backend)
         self.device = device
+
+    @property
+    def attention_path(self) -> str:
+        """How attention runs, for the start-up log."""
+        if getattr(self.backend, "uses_kernel", False):
+            return f"{self.backend.name} (C++ paged kernel)"
+        if self.backend.name == "torch":
+            return "torch (gather + SDPA: the C++ kernel is not built)"
+        return self.backend.name
 
     def build_batch(
         self, entries: list[tuple[Req, int]], extra_logits: np.ndarray | None = None
@@ -67,28 +77,30 @@ class ModelRunner:
         Requests that owe prompt logprobs get them from the same forward: the LM head also
         reads their prompt rows, and ``prompt_logprobs.record`` stores the result on them.
         """
-        plan = prompt_logprobs.plan_rows(entries)
-        logits = self.model.forward(self.build_batch(entries, None if plan is None else plan.rows))
-        if plan is None:
-            return logits
-        # Rows [0, B): last new tokens (sampling); [B, B + E): the plan's rows, in plan order.
-        num_entries = len(entries)
-        prompt_logprobs.record(plan, logits[num_entries:])
-        return logits[:num_entries]
+        with torch.profiler.record_function(FORWARD_SCOPE):
+            plan = prompt_logprobs.plan_rows(entries)
+            logits = self.model.forward(self.build_batch(entries, None if plan is None else plan.rows))
+            if plan is None:
+                return logits
+            # Rows [0, B): last new tokens (sampling); [B, B + E): the plan's rows, in plan order.
+            num_entries = len(entries)
+            prompt_logprobs.record(plan, logits[num_entries:])
+            return logits[:num_entries]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
-        batch = SamplingBatch.build(
-            params=[r.params for r in reqs],
-            seeds=[r.seed for r in reqs],
-            output_ids=[r.output_ids for r in reqs],
-            prompt_ids=[r.prompt_ids for r in reqs],
-            vocab_size=self.vocab_size,
-            device=logits.device,
-        )
-        return sample(
-            logits,
-            batch,
-            return_logprob=[r.return_logprob for r in reqs],
-            top_logprobs_num=[r.top_logprobs_num for r in reqs],
-        )
+        with torch.profiler.record_function(SAMPLING_SCOPE):
+            batch = SamplingBatch.build(
+                params=[r.params for r in reqs],
+                seeds=[r.seed for r in reqs],
+                output_ids=[r.output_ids for r in reqs],
+                prompt_ids=[r.prompt_ids for r in reqs],
+                vocab_size=self.vocab_size,
+                device=logits.device,
+            )
+            return sample(
+                logits,
+                batch,
+                return_logprob=[r.return_logprob for r in reqs],
+                top_logprobs_num=[r.top_logprobs_num for r in reqs],
+            )

@@ -34,6 +34,11 @@ def _handle(sched: Any, msg: Any, send: zmq.Socket) -> None:
                 result = {"ok": True, **sched.check_memory()}
             except RuntimeError as e:
                 result = {"ok": False, "error": str(e)}
+        elif msg.command in ("start_profile", "stop_profile"):
+            try:
+                result = sched.start_profile() if msg.command == "start_profile" else sched.stop_profile()
+            except RuntimeError as e:  # started twice, or stopped without a start
+                result = {"error": str(e)}
         else:
             result = {"error": f"unknown control command {msg.command!r}"}
         send.send(m.encode(m.ControlOut(cid=msg.cid, result=result)))
@@ -109,8 +114,11 @@ def run_scheduler_process(
 
         from radixserve.model.loader import load_model
         from radixserve.scheduler.scheduler import Scheduler
+        from radixserve.threads import scheduler_threads
         from radixserve.tokenizer import load_tokenizer
 
+        threads, threads_source = scheduler_threads()
+        torch.set_num_threads(threads)
         torch.manual_seed(args.random_seed)
         loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device)
         tokenizer = load_tokenizer(loaded.tokenizer_path)
@@ -122,10 +130,13 @@ def run_scheduler_process(
         return
     info = sched.info()
     info["tokenizer_path"] = loaded.tokenizer_path
+    info["torch_threads"] = torch.get_num_threads()
     ready_pipe.send(("ready", info))
     logger.info(
-        "ready: %s, %d KV tokens (page %d), %d request rows",
+        "ready: %s, %d KV tokens (page %d), %d request rows, %d torch threads (%s), "
+        "dtype %s, attention %s",
         model_path, sched.pool_tokens, sched.page_size, sched.max_running,
+        info["torch_threads"], threads_source, args.dtype, sched.runner.attention_path,
     )
     parent = os.getppid()
     last_log = time.monotonic()

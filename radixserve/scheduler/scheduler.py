@@ -23,6 +23,7 @@ from radixserve.scheduler.decode import reserve_decode_slots
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.model_runner import ModelRunner
 from radixserve.scheduler.policy import order_waiting
+from radixserve.scheduler.profiling import StepProfiler
 from radixserve.scheduler.prompt_logprobs import PromptLogprobs, attach_prompt_logprobs
 from radixserve.scheduler.request import FinishReason, Req, ReqState
 from radixserve.scheduler.stats import SchedulerStats
@@ -89,6 +90,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
+        self.profiler = StepProfiler(self.stats)
         self._admit_counter = 0
         self._step_counter = 0
         self._errors: list[ErrorOut] = []
@@ -306,6 +308,7 @@ class Scheduler:
 
         num_decode = sum(1 for r, n in entries if r.state == ReqState.RUNNING)
         self.stats.decode_tokens += num_decode
+        self.stats.lm_head_rows += len(entries)
         self.stats.prefill_tokens_computed += sum(
             n for r, n in entries if r.state == ReqState.PREFILLING
         )
@@ -441,6 +444,14 @@ class Scheduler:
         self.tree.reset()
         self.allocator.reset()
         return True
+
+    def start_profile(self) -> dict[str, Any]:
+        """Profile the steps from now on (``profiling.py``); RuntimeError if already profiling."""
+        return self.profiler.start()
+
+    def stop_profile(self) -> dict[str, Any]:
+        """Seconds per category of the steps since ``start_profile``; RuntimeError if none."""
+        return self.profiler.stop()
 
     def get_stats(self) -> dict[str, Any]:
         d = self.stats.to_dict()

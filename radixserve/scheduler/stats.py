@@ -14,6 +14,7 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens served from the tree at first admission
     prefill_tokens_computed: int = 0  # extend tokens computed, recomputation included
     decode_tokens: int = 0
+    lm_head_rows: int = 0  # rows through the LM head: one per batch entry per forward (prompt-logprob rows not counted)
     generation_tokens: int = 0  # sampled tokens, first tokens included
     forward_steps: int = 0
     decode_steps: int = 0  # forwards that carried at least one decode row

@@ -52,7 +52,8 @@ def build_chat_tiny_model(default_model_dir: str, folder: str, seed: int = 0) ->
 
 
 class ServerProcess:
-    """``env`` is added to ``base_env`` (default: this process's environment)."""
+    """``env`` is added to ``base_env`` (default: this process's environment).  The server runs
+    in float32 unless ``args`` name a dtype: the tests compare with float32 oracles."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
                  base_env: dict[str, str] | None = None) -> None:
@@ -60,7 +61,8 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = tempfile.mktemp(prefix="radixserve-server-", suffix=".log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *args]
+        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *dtype, *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**(os.environ if base_env is None else base_env), **(env or {})})
 

@@ -1,0 +1,566 @@
+// Paged attention for CPUs: reads K/V in place from the KV pool through the request-to-token
+// table (no gathered copy), in the pool's dtype (float32, bfloat16 or float16) with float32
+// accumulation, grouped-query aware (the G query heads of one KV head share every key load),
+// online softmax over key blocks.
+//
+// One call computes a whole step's attention over the pool, as a list of *jobs*:
+//   job j reads table row job_row[j], key columns [job_kv_begin[j], limit) where `limit` is per
+//   query entry (entry e sees columns [job_kv_begin[j], entry_limit[e])), for the entries
+//   [job_entry_ptr[j], job_entry_ptr[j+1]) whose query rows in `q` are entry_row[e].
+// A query row may appear in several jobs (the cascade of a prefix shared through the radix
+// tree: one job reads the shared columns once for all members' queries, one job per request
+// reads its own columns); each job leaves a normalised partial output and its log-sum-exp, and
+// the rows are merged exactly at the end:  out = sum_e e^{lse_e} out_e / sum_e e^{lse_e}.
+//
+// Tasks are (job, KV head, block of queries) and run on torch's intra-op thread pool, so the
+// thread count is the scheduler's torch setting.  The inner loops are written with GCC vector
+// extensions (16 floats) and unrolled over query rows so that one key load feeds several rows.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "vec.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define RADIXSERVE_BF16_DOT 1
+#else
+#define RADIXSERVE_BF16_DOT 0
+#endif
+
+#include <algorithm>
+#include <type_traits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int KB = 32;          // keys per block
+constexpr int MAX_ROWS = 32;    // query rows (tokens x heads per KV head) per task
+// Below this many rows (a decode request's G heads) the scores are dot products over K rows
+// as stored, reduced 16 keys at a time; transposing K would cost more than the few rows use.
+constexpr int FEW_ROWS = 8;
+constexpr float NEG = -1e30f;   // masked score (finite: the inner loops never see inf)
+
+// Horizontal max / sum by halving shuffles (4 steps instead of 15 scalar ones).
+inline v16 swap_halves(v16 v, int w) {
+  const v16i idx8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const v16i idx4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const v16i idx2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const v16i idx1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  switch (w) {
+    case 8: return __builtin_shuffle(v, idx8);
+    case 4: return __builtin_shuffle(v, idx4);
+    case 2: return __builtin_shuffle(v, idx2);
+    default: return __builtin_shuffle(v, idx1);
+  }
+}
+
+inline float hmax(v16 v) {
+  for (int w = 8; w >= 1; w /= 2) {
+    const v16 o = swap_halves(v, w);
+    v = v > o ? v : o;
+  }
+  return v[0];
+}
+
+inline float hsum(v16 v) {
+  for (int w = 8; w >= 1; w /= 2) v += swap_halves(v, w);
+  return v[0];
+}
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+template <>
+inline float to_float<at::BFloat16>(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline void convert_row(const T* src, float* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// bfloat16 -> float is a 16-bit shift: 16 lanes at a time (n is a multiple of 16).
+template <>
+inline void convert_row<at::BFloat16>(const at::BFloat16* src, float* dst, int n) {
+  typedef uint16_t v16h __attribute__((vector_size(32)));
+  for (int i = 0; i < n; i += 16) {
+    v16h h;
+    std::memcpy(&h, src + i, sizeof(h));
+    const v16i w = __builtin_convertvector(h, v16i) << 16;
+    std::memcpy(dst + i, &w, sizeof(w));
+  }
+}
+
+// out[i] = sum of the 16 lanes of t[i]: a tree of pairwise shuffles (15 adds), then one
+// permutation that undoes the tree's bit-reversed lane order.
+inline v16 reduce16(const v16* t) {
+  const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const v16i hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const v16i hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const v16i hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const v16i order = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  v16 u[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i)
+    u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo8) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi8);
+  for (int i = 0; i < 4; ++i)
+    w[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], lo4) + __builtin_shuffle(u[2 * i], u[2 * i + 1], hi4);
+  for (int i = 0; i < 2; ++i)
+    x[i] = __builtin_shuffle(w[2 * i], w[2 * i + 1], lo2) + __builtin_shuffle(w[2 * i], w[2 * i + 1], hi2);
+  const v16 y = __builtin_shuffle(x[0], x[1], lo1) + __builtin_shuffle(x[0], x[1], hi1);
+  return __builtin_shuffle(y, order);
+}
+
+// float -> bfloat16 bits, round to nearest even (finite inputs).
+inline v16i bf16_bits(v16 x) {
+  v16i b;
+  std::memcpy(&b, &x, sizeof(b));
+  return (b + 0x7FFF + ((b >> 16) & 1)) >> 16 & 0xFFFF;
+}
+
+#if RADIXSERVE_BF16_DOT
+// acc += dot of bfloat16 pairs: acc[i] += a[2i] * b[2i] + a[2i + 1] * b[2i + 1].
+inline v16 dot_pairs(v16 acc, const uint32_t* a, uint32_t b) {
+  const __m512bh av = (__m512bh)_mm512_loadu_si512(a);
+  const __m512bh bv = (__m512bh)_mm512_set1_epi32(static_cast<int>(b));
+  return (v16)_mm512_dpbf16_ps((__m512)acc, av, bv);
+}
+#endif
+
+struct Plan {
+  const int32_t* table;
+  int64_t table_stride;
+  const int64_t* job_row;
+  const int64_t* job_kv_begin;
+  const int64_t* job_entry_ptr;
+  const int64_t* entry_row;
+  const int64_t* entry_limit;
+};
+
+#if RADIXSERVE_BF16_DOT
+// The K block as bfloat16 pairs transposed to [D/2][KB] (a 32-bit transpose) and the V block
+// as pairs of consecutive keys [KB/2][D]; keys past `nk` are zero.
+template <int D>
+void load_pairs_bf16(const int32_t* slots, int nk, const at::BFloat16* kp, const at::BFloat16* vp,
+                     int64_t kv_stride, int64_t kvh, uint32_t (*kp2)[KB], uint32_t (*vp2)[D]) {
+  typedef uint16_t v16h __attribute__((vector_size(32)));
+  const uint16_t zeros[D] = {};
+  for (int j = 0; j < KB; ++j) {
+    const uint32_t* k32 = j < nk
+        ? reinterpret_cast<const uint32_t*>(kp + slots[j] * kv_stride + kvh * D) : nullptr;
+    for (int dp = 0; dp < D / 2; ++dp) kp2[dp][j] = k32 ? k32[dp] : 0u;
+  }
+  for (int jp = 0; jp < KB / 2; ++jp) {
+    const int j0 = 2 * jp, j1 = 2 * jp + 1;
+    const uint16_t* v0 = j0 < nk ? reinterpret_cast<const uint16_t*>(vp + slots[j0] * kv_stride + kvh * D) : zeros;
+    const uint16_t* v1 = j1 < nk ? reinterpret_cast<const uint16_t*>(vp + slots[j1] * kv_stride + kvh * D) : zeros;
+    for (int d = 0; d < D; d += 16) {
+      v16h a, b;
+      std::memcpy(&a, v0 + d, sizeof(a));
+      std::memcpy(&b, v1 + d, sizeof(b));
+      const v16i w = __builtin_convertvector(a, v16i) | (__builtin_convertvector(b, v16i) << 16);
+      std::memcpy(&vp2[jp][d], &w, sizeof(w));
+    }
+  }
+}
+
+// s[r][0:KB] = scaling * Q[r] . K[0:KB], 4 rows at a time sharing each K load.
+template <int D>
+void scores_bf16(int rows, const uint32_t (*qp2)[D / 2], const uint32_t (*kp2)[KB], float scaling,
+                 float (*s)[KB]) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    v16 a[4][2] = {};
+#pragma GCC unroll 4
+    for (int dp = 0; dp < D / 2; ++dp) {
+      for (int i = 0; i < 4; ++i) {
+        a[i][0] = dot_pairs(a[i][0], &kp2[dp][0], qp2[r + i][dp]);
+        a[i][1] = dot_pairs(a[i][1], &kp2[dp][16], qp2[r + i][dp]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      store16(&s[r + i][0], a[i][0] * scaling);
+      store16(&s[r + i][16], a[i][1] * scaling);
+    }
+  }
+  for (; r < rows; ++r) {
+    v16 a0 = {}, a1 = {};
+    for (int dp = 0; dp < D / 2; ++dp) {
+      a0 = dot_pairs(a0, &kp2[dp][0], qp2[r][dp]);
+      a1 = dot_pairs(a1, &kp2[dp][16], qp2[r][dp]);
+    }
+    store16(&s[r][0], a0 * scaling);
+    store16(&s[r][16], a1 * scaling);
+  }
+}
+
+// acc[r] += P[r] V with P rounded to bfloat16 (as flash attention does on GPUs), 2 rows at a time.
+template <int D>
+void pv_bf16(int rows, const float (*s)[KB], const uint32_t (*vp2)[D], float (*acc)[D]) {
+  constexpr int DV = D / 16;
+  const v16i even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const v16i odd = even + 1;
+  uint32_t pp[2][KB / 2];
+  int r = 0;
+  for (; r < rows; r += 2) {
+    const int n = std::min(2, rows - r);
+    for (int i = 0; i < n; ++i) {
+      const v16i lo = bf16_bits(load16(&s[r + i][0])), hi = bf16_bits(load16(&s[r + i][16]));
+      const v16i w = __builtin_shuffle(lo, hi, even) | (__builtin_shuffle(lo, hi, odd) << 16);
+      std::memcpy(pp[i], &w, sizeof(w));
+    }
+    v16 x[DV], y[DV];
+    for (int dv = 0; dv < DV; ++dv) {
+      x[dv] = load16(&acc[r][dv * 16]);
+      y[dv] = n == 2 ? load16(&acc[r + 1][dv * 16]) : v16{};
+    }
+    for (int jp = 0; jp < KB / 2; ++jp) {
+#pragma GCC unroll 8
+      for (int dv = 0; dv < DV; ++dv) {
+        x[dv] = dot_pairs(x[dv], &vp2[jp][dv * 16], pp[0][jp]);
+        if (n == 2) y[dv] = dot_pairs(y[dv], &vp2[jp][dv * 16], pp[1][jp]);
+      }
+    }
+    for (int dv = 0; dv < DV; ++dv) {
+      store16(&acc[r][dv * 16], x[dv]);
+      if (n == 2) store16(&acc[r + 1][dv * 16], y[dv]);
+    }
+  }
+}
+#else
+template <int D>
+void load_pairs_bf16(const int32_t*, int, const at::BFloat16*, const at::BFloat16*, int64_t,
+                     int64_t, uint32_t (*)[KB], uint32_t (*)[D]) {}
+template <int D>
+void scores_bf16(int, const uint32_t (*)[D / 2], const uint32_t (*)[KB], float, float (*)[KB]) {}
+template <int D>
+void pv_bf16(int, const float (*)[KB], const uint32_t (*)[D], float (*)[D]) {}
+#endif
+
+// One task: KV head `kvh` of job `job`, entries [e0, e1).  Writes each entry's normalised
+// partial output part[e, h, :] and lse[e, h] for the G query heads h of this KV head.
+template <typename QT, typename KT, int D>
+void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t num_heads,
+              int64_t num_kv, int64_t group, float scaling, int64_t job, int64_t kvh, int64_t e0,
+              int64_t e1, float* part, float* lse) {
+  constexpr int DV = D / 16;
+  const int rows = static_cast<int>((e1 - e0) * group);
+  alignas(64) float qs[MAX_ROWS][D];
+  alignas(64) float acc[MAX_ROWS][D];
+  alignas(64) float kt[D][KB];  // K block transposed (many rows)
+  alignas(64) float kr[KB][D];  // K block as rows (few rows)
+  alignas(64) float vb[KB][D];
+  alignas(64) float s[MAX_ROWS][KB];
+  // bfloat16 pools with many rows: products of bfloat16 pairs (AVX-512 BF16), float32 sums.
+  // kp2[d/2][j] = K[j][d, d+1]; vp2[j/2][d] = V[j, j+1][d]; qp2[r][d/2] = Q[r][d, d+1].
+  constexpr bool BF16_POOL = RADIXSERVE_BF16_DOT && std::is_same_v<KT, at::BFloat16>;
+  alignas(64) uint32_t kp2[BF16_POOL ? D / 2 : 1][KB];
+  alignas(64) uint32_t vp2[BF16_POOL ? KB / 2 : 1][D];
+  alignas(64) uint32_t qp2[BF16_POOL ? MAX_ROWS : 1][D / 2];
+  const bool few = rows < FEW_ROWS;
+  const bool pairs = BF16_POOL && !few;
+  float m[MAX_ROWS], l[MAX_ROWS];
+  int64_t limit[MAX_ROWS];
+
+  int64_t kv_end = 0;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t e = e0 + r / group;
+    const int64_t h = kvh * group + r % group;
+    const QT* src = q + (plan.entry_row[e] * num_heads + h) * D;
+    for (int d = 0; d < D; ++d) qs[r][d] = to_float(src[d]) * scaling;
+    if constexpr (BF16_POOL) {
+      if (pairs) {  // the query rounded to bfloat16 (exact when the model runs in bfloat16)
+        for (int d = 0; d < D; d += 16) {
+          v16 x;
+          for (int i = 0; i < 16; ++i) x[i] = to_float(src[d + i]);
+          const v16i b = bf16_bits(x);
+          for (int i = 0; i < 8; ++i)
+            qp2[r][d / 2 + i] = static_cast<uint32_t>(b[2 * i]) | (static_cast<uint32_t>(b[2 * i + 1]) << 16);
+        }
+      }
+    }
+    std::memset(acc[r], 0, sizeof(acc[r]));
+    m[r] = NEG;
+    l[r] = 0.f;
+    limit[r] = plan.entry_limit[e];
+    kv_end = std::max(kv_end, limit[r]);
+  }
+  const int32_t* trow = plan.table + plan.job_row[job] * plan.table_stride;
+  const int64_t kv_begin = plan.job_kv_begin[job];
+  const int64_t kv_stride = num_kv * D;
+
+  for (int64_t kb = kv_begin; kb < kv_end; kb += KB) {
+    const int nk = static_cast<int>(std::min<int64_t>(KB, kv_end - kb));
+    if constexpr (BF16_POOL) {
+      if (pairs) {
+        load_pairs_bf16<D>(trow + kb, nk, kp, vp, kv_stride, kvh, kp2, vp2);
+        scores_bf16<D>(rows, qp2, kp2, scaling, s);
+      }
+    }
+    // V block [KB][D] and the K block (transposed to [D][KB], or as rows), as float.
+    for (int j = 0; j < (pairs ? 0 : nk); ++j) {
+      const int64_t slot = trow[kb + j];
+      const KT* ksrc = kp + slot * kv_stride + kvh * D;
+      const KT* vsrc = vp + slot * kv_stride + kvh * D;
+      if (few) {
+        convert_row(ksrc, kr[j], D);
+      } else {
+        for (int d = 0; d < D; ++d) kt[d][j] = to_float(ksrc[d]);
+      }
+      convert_row(vsrc, vb[j], D);
+    }
+    for (int j = nk; j < (pairs ? nk : KB); ++j) {
+      if (few) {
+        std::memset(kr[j], 0, sizeof(kr[j]));
+      } else {
+        for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
+      }
+      std::memset(vb[j], 0, sizeof(vb[j]));
+    }
+    int r = 0;
+    if (few) {
+      for (; r < rows; ++r) {
+        v16 qv[DV];
+        for (int dv = 0; dv < DV; ++dv) qv[dv] = load16(&qs[r][dv * 16]);
+        for (int half = 0; half < KB / 16; ++half) {
+          v16 t[16];
+          for (int jj = 0; jj < 16; ++jj) {
+            const float* krow = kr[half * 16 + jj];
+            v16 a = qv[0] * load16(krow);
+#pragma GCC unroll 8
+            for (int dv = 1; dv < DV; ++dv) a += qv[dv] * load16(krow + dv * 16);
+            t[jj] = a;
+          }
+          store16(&s[r][half * 16], reduce16(t));
+        }
+      }
+    }
+    if (pairs) r = rows;
+    // Scores: 4 rows at a time share each K load.
+    for (; r + 4 <= rows; r += 4) {
+      v16 a0 = {}, a1 = {}, b0 = {}, b1 = {}, c0 = {}, c1 = {}, d0 = {}, d1 = {};
+#pragma GCC unroll 8
+      for (int d = 0; d < D; ++d) {
+        const v16 k0 = load16(&kt[d][0]), k1 = load16(&kt[d][16]);
+        a0 += qs[r][d] * k0; a1 += qs[r][d] * k1;
+        b0 += qs[r + 1][d] * k0; b1 += qs[r + 1][d] * k1;
+        c0 += qs[r + 2][d] * k0; c1 += qs[r + 2][d] * k1;
+        d0 += qs[r + 3][d] * k0; d1 += qs[r + 3][d] * k1;
+      }
+      store16(&s[r][0], a0); store16(&s[r][16], a1);
+      store16(&s[r + 1][0], b0); store16(&s[r + 1][16], b1);
+      store16(&s[r + 2][0], c0); store16(&s[r + 2][16], c1);
+      store16(&s[r + 3][0], d0); store16(&s[r + 3][16], d1);
+    }
+    for (; r < rows; ++r) {
+      v16 a0 = {}, a1 = {};
+      for (int d = 0; d < D; ++d) {
+        a0 += qs[r][d] * load16(&kt[d][0]);
+        a1 += qs[r][d] * load16(&kt[d][16]);
+      }
+      store16(&s[r][0], a0); store16(&s[r][16], a1);
+    }
+    // Mask (key column >= the row's limit, or past the block) and online softmax.
+    v16i col0, col1;
+    for (int j = 0; j < 16; ++j) {
+      col0[j] = j;
+      col1[j] = j + 16;
+    }
+    for (int r2 = 0; r2 < rows; ++r2) {
+      const int live = static_cast<int>(std::min<int64_t>(nk, limit[r2] - kb));
+      v16 x0 = load16(&s[r2][0]), x1 = load16(&s[r2][16]);
+      x0 = col0 < live ? x0 : splat(NEG);
+      x1 = col1 < live ? x1 : splat(NEG);
+      const float mx = std::max(hmax(x0), hmax(x1));
+      const float mnew = std::max(m[r2], mx);
+      const float alpha = std::exp(m[r2] - mnew);
+      const v16 p0 = exp16(x0 - mnew), p1 = exp16(x1 - mnew);
+      l[r2] = l[r2] * alpha + hsum(p0 + p1);
+      m[r2] = mnew;
+      store16(&s[r2][0], p0);
+      store16(&s[r2][16], p1);
+      if (alpha != 1.f) {
+        for (int dv = 0; dv < DV; ++dv) store16(&acc[r2][dv * 16], load16(&acc[r2][dv * 16]) * alpha);
+      }
+    }
+    // acc += P V: 2 rows at a time share each V load.
+    r = 0;
+    if constexpr (BF16_POOL) {
+      if (pairs) {
+        pv_bf16<D>(rows, s, vp2, acc);
+        r = rows;
+      }
+    }
+    for (; r + 2 <= rows; r += 2) {
+      v16 x[DV], y[DV];
+      for (int dv = 0; dv < DV; ++dv) {
+        x[dv] = load16(&acc[r][dv * 16]);
+        y[dv] = load16(&acc[r + 1][dv * 16]);
+      }
+      for (int j = 0; j < nk; ++j) {
+        const float px = s[r][j], py = s[r + 1][j];
+#pragma GCC unroll 8
+        for (int dv = 0; dv < DV; ++dv) {
+          const v16 vv = load16(&vb[j][dv * 16]);
+          x[dv] += px * vv;
+          y[dv] += py * vv;
+        }
+      }
+      for (int dv = 0; dv < DV; ++dv) {
+        store16(&acc[r][dv * 16], x[dv]);
+        store16(&acc[r + 1][dv * 16], y[dv]);
+      }
+    }
+    for (; r < rows; ++r) {
+      for (int j = 0; j < nk; ++j) {
+        const float px = s[r][j];
+        for (int dv = 0; dv < DV; ++dv)
+          store16(&acc[r][dv * 16], load16(&acc[r][dv * 16]) + px * load16(&vb[j][dv * 16]));
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t e = e0 + r / group;
+    const int64_t h = kvh * group + r % group;
+    const float inv = 1.f / l[r];
+    float* dst = part + (e * num_heads + h) * D;
+    for (int d = 0; d < D; ++d) dst[d] = acc[r][d] * inv;
+    lse[e * num_heads + h] = m[r] + std::log(l[r]);
+  }
+}
+
+template <typename QT, typename KT, int D>
+void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, const KT* vp,
+              int64_t num_heads, int64_t num_kv, float scaling, float* part, float* lse) {
+  const int64_t group = num_heads / num_kv;
+  const int64_t per_task = std::max<int64_t>(1, MAX_ROWS / group);  // entries per task
+  // Flat task list: (job, kv head, first entry).
+  std::vector<int64_t> task_job, task_entry;
+  for (int64_t j = 0; j < num_jobs; ++j) {
+    for (int64_t e = plan.job_entry_ptr[j]; e < plan.job_entry_ptr[j + 1]; e += per_task) {
+      task_job.push_back(j);
+      task_entry.push_back(e);
+    }
+  }
+  const int64_t n_tasks = static_cast<int64_t>(task_job.size()) * num_kv;
+  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / num_kv, kvh = t % num_kv;
+      const int64_t job = task_job[i], e0 = task_entry[i];
+      const int64_t e1 = std::min(e0 + per_task, plan.job_entry_ptr[job + 1]);
+      run_task<QT, KT, D>(plan, q, kp, vp, num_heads, num_kv, group, scaling, job, kvh, e0, e1,
+                          part, lse);
+    }
+  });
+}
+
+template <typename QT, typename KT>
+void dispatch_dim(int64_t head_dim, const Plan& plan, int64_t num_jobs, const QT* q,
+                  const KT* kp, const KT* vp, int64_t num_heads, int64_t num_kv, float scaling,
+                  float* part, float* lse) {
+  switch (head_dim) {
+    case 16: return run_jobs<QT, KT, 16>(plan, num_jobs, q, kp, vp, num_heads, num_kv, scaling, part, lse);
+    case 32: return run_jobs<QT, KT, 32>(plan, num_jobs, q, kp, vp, num_heads, num_kv, scaling, part, lse);
+    case 64: return run_jobs<QT, KT, 64>(plan, num_jobs, q, kp, vp, num_heads, num_kv, scaling, part, lse);
+    case 128: return run_jobs<QT, KT, 128>(plan, num_jobs, q, kp, vp, num_heads, num_kv, scaling, part, lse);
+    default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " not in {16, 32, 64, 128}");
+  }
+}
+
+// Merge the partials of each output row: row t's entries are [row_entry_ptr[t], ...[t+1]) of
+// `row_entries`; out[t] = sum_e w_e part_e / sum_e w_e with w_e = e^{lse_e - max}.
+template <typename OT>
+void merge_rows(const float* part, const float* lse, const int64_t* row_entry_ptr,
+                const int64_t* row_entries, int64_t num_rows, int64_t num_heads, int64_t head_dim,
+                OT* out) {
+  at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p0 = row_entry_ptr[t], p1 = row_entry_ptr[t + 1];
+      for (int64_t h = 0; h < num_heads; ++h) {
+        OT* dst = out + (t * num_heads + h) * head_dim;
+        if (p1 - p0 == 1) {
+          const float* src = part + (row_entries[p0] * num_heads + h) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<OT>(src[d]);
+          continue;
+        }
+        float top = NEG;
+        for (int64_t p = p0; p < p1; ++p) top = std::max(top, lse[row_entries[p] * num_heads + h]);
+        float total = 0.f;
+        std::fill(buf.begin(), buf.end(), 0.f);
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t e = row_entries[p];
+          const float w = std::exp(lse[e * num_heads + h] - top);
+          total += w;
+          const float* src = part + (e * num_heads + h) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) buf[d] += w * src[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<OT>(buf[d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q: [T, H, D]; k_pool, v_pool: [S, KV, D]; table: [R, C] int32; plan tensors int64 (see top).
+// Returns [T, H, D] in q's dtype.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                              torch::Tensor table, torch::Tensor job_row,
+                              torch::Tensor job_kv_begin, torch::Tensor job_entry_ptr,
+                              torch::Tensor entry_row, torch::Tensor entry_limit,
+                              torch::Tensor row_entry_ptr, torch::Tensor row_entries,
+                              double scaling) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q/k_pool/v_pool must be 3-D");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "q, k_pool and v_pool must be contiguous");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "k_pool and v_pool dtypes differ");
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous(), "table must be contiguous int32");
+  for (const auto* t : {&job_row, &job_kv_begin, &job_entry_ptr, &entry_row, &entry_limit,
+                        &row_entry_ptr, &row_entries}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "plan tensors must be contiguous int64");
+  }
+  const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv = k_pool.size(1);
+  TORCH_CHECK(num_heads % num_kv == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(num_heads / num_kv <= MAX_ROWS, "paged_attention: more than ", MAX_ROWS,
+              " query heads per KV head");
+  TORCH_CHECK(k_pool.size(2) == head_dim, "head_dim of q and the pool differ");
+  TORCH_CHECK(row_entry_ptr.size(0) == num_rows + 1, "row_entry_ptr must have T + 1 entries");
+  const int64_t num_jobs = job_row.size(0);
+  const int64_t num_entries = entry_row.size(0);
+
+  Plan plan{table.data_ptr<int32_t>(), table.stride(0), job_row.data_ptr<int64_t>(),
+            job_kv_begin.data_ptr<int64_t>(), job_entry_ptr.data_ptr<int64_t>(),
+            entry_row.data_ptr<int64_t>(), entry_limit.data_ptr<int64_t>()};
+  auto part = torch::empty({num_entries, num_heads, head_dim}, q.options().dtype(at::kFloat));
+  auto lse = torch::empty({num_entries, num_heads}, q.options().dtype(at::kFloat));
+  auto out = torch::empty_like(q);
+  const float scale = static_cast<float>(scaling);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_q", [&] {
+    using QT = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_pool.scalar_type(), "paged_attention_kv", [&] {
+      using KT = scalar_t;
+      dispatch_dim<QT, KT>(head_dim, plan, num_jobs, q.data_ptr<QT>(), k_pool.data_ptr<KT>(),
+                           v_pool.data_ptr<KT>(), num_heads, num_kv, scale,
+                           part.data_ptr<float>(), lse.data_ptr<float>());
+    });
+    merge_rows<QT>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
+                   row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, out.data_ptr<QT>());
+  });
+  return out;
+}
