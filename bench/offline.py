@@ -12,8 +12,10 @@ token counts:
                  one batch, submitted once turn ``t - 1`` is done
 
 Configurations, each in every ``--dtypes`` entry, each with a fresh model:
-  radix      radixserve, radix cache on (defaults)
-  no-radix   radixserve, ``disable_radix_cache=True``
+  radix        radixserve, radix cache on (defaults: on a CPU the C++ kernels)
+  radix-torch  radixserve, radix cache on, pure torch (``RADIXSERVE_CPU_KERNELS=0``: attention
+               by SDPA over gathered K/V, unfused norms/RoPE/activation), the pre-kernel path
+  no-radix     radixserve, ``disable_radix_cache=True``
   hf-static  transformers ``generate`` in static left-padded batches of ``--hf-batch``
 
 Wall time runs from each batch's submit to its last result, summed over the turns (model
@@ -40,8 +42,11 @@ requests with 1k-token prefixes by default); the profiler's overhead stays out o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +75,7 @@ from bench.workloads import (  # noqa: E402
     short_prompts,
 )
 
-CONFIGS = ("radix", "no-radix", "hf-static")
+CONFIGS = ("radix", "radix-torch", "no-radix", "hf-static")
 WORKLOADS = ("shared-prefix", "multi-turn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Counters of SchedulerStats that add up over requests, so a warm-up can be subtracted.
@@ -156,6 +161,20 @@ def floor_of(stats: dict[str, Any], dtype: str, threads: int, wall: float, ctx: 
     return {"threads": threads, "rates_flop_per_s": rates, **floor, "wall_over_floor": wall / floor["floor_s"]}
 
 
+@contextlib.contextmanager
+def kernels_env(enabled: bool) -> Iterator[None]:
+    """``RADIXSERVE_CPU_KERNELS`` for the engine processes started inside (they inherit it)."""
+    before = os.environ.get("RADIXSERVE_CPU_KERNELS")
+    os.environ["RADIXSERVE_CPU_KERNELS"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RADIXSERVE_CPU_KERNELS")
+        else:
+            os.environ["RADIXSERVE_CPU_KERNELS"] = before
+
+
 def run_radixserve(
     config: str, dtype: str, work: OfflineTurns, args: argparse.Namespace, tokenizer: Any, ctx: RunContext
 ) -> dict[str, Any]:
@@ -166,7 +185,7 @@ def run_radixserve(
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     t0 = time.perf_counter()
-    with Engine(model=args.model, **settings) as engine:
+    with kernels_env(config != "radix-torch"), Engine(model=args.model, **settings) as engine:
         start_s = time.perf_counter() - t0
         engine.generate(input_ids=WARMUP_TEXT_IDS, sampling_params=greedy_params(2))
         if not engine.flush_cache():
@@ -193,7 +212,7 @@ def run_radixserve(
         if args.breakdown:
             step_ms = 1000 * stats["step_seconds"] / max(stats["forward_steps"], 1)
             row["breakdown"] = {"workload": workload_breakdown(engine, lambda: run_turns(work, generate), step_ms)}
-            if config == "radix":
+            if config in ("radix", "radix-torch"):
                 row["breakdown"]["decode"] = decode_breakdown(engine, generate, ctx.decode_prompts, args.output_len)
     return row
 

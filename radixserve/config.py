@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -146,13 +145,8 @@ class ServerArgs:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
         on_gpu = device.startswith("cuda")
         dtype = self.dtype
-        if dtype == "auto":
-            feature = cpu_bf16_feature()
-            dtype = "bfloat16" if on_gpu or feature else "float32"
-            if not on_gpu:
-                logging.getLogger("radixserve").info(
-                    "dtype auto: %s (%s)", dtype,
-                    f"this CPU has {feature}" if feature else "no bfloat16 matmul instructions")
+        if dtype == "auto":  # the scheduler's start-up line says what was detected
+            dtype = "bfloat16" if on_gpu or cpu_bf16_feature() else "float32"
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if on_gpu else "torch"

@@ -46,7 +46,8 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    root = os.environ.get("RADIXSERVE_CACHE") or Path.home() / ".cache" / "radixserve"
+    # The same cache root as the converted default model (model/gguf_convert.py: cache_root).
+    root = os.environ.get("RADIXSERVE_CACHE_DIR") or Path.home() / ".cache" / "radixserve"
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + _cpu_flags().encode()
         + " ".join(_FLAGS).encode()

@@ -149,6 +149,56 @@ struct Plan {
   const int64_t* entry_limit;
 };
 
+// In place: t[i][c] <- t[c][i] for a 16 x 16 tile of 32-bit words, by four butterfly levels
+// that swap the off-diagonal blocks of size s = 8, 4, 2, 1 (64 two-input shuffles).
+inline void transpose16(v16i* t) {
+  // Level l swaps blocks of size 8 >> l: lo[l] takes row i's kept half and row i+s's front,
+  // hi[l] row i's back and row i+s's kept half (indices >= 16 pick from the second row).
+  static const v16i lo[4] = {
+      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+      {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+      {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+      {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+  static const v16i hi[4] = {
+      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+      {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+      {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+      {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+#pragma GCC unroll 4
+  for (int level = 0; level < 4; ++level) {
+    const int s = 8 >> level;
+    for (int i = 0; i < 16; ++i) {
+      if (i & s) continue;
+      const v16i a = t[i], b = t[i + s];
+      t[i] = __builtin_shuffle(a, b, lo[level]);
+      t[i + s] = __builtin_shuffle(a, b, hi[level]);
+    }
+  }
+}
+
+// The K block as float, transposed to [D][KB] in 16 x 16 tiles; keys past `nk` are zero.
+template <typename KT, int D>
+void load_k_transposed(const int32_t* slots, int nk, const KT* kp, int64_t kv_stride,
+                       int64_t kvh, float (*kt)[KB]) {
+  for (int j0 = 0; j0 < KB; j0 += 16) {
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      v16i t[16];
+      for (int jj = 0; jj < 16; ++jj) {
+        const int j = j0 + jj;
+        if (j < nk) {
+          alignas(64) float row[16];
+          convert_row(kp + slots[j] * kv_stride + kvh * D + d0, row, 16);
+          std::memcpy(&t[jj], row, sizeof(v16i));
+        } else {
+          t[jj] = v16i{};
+        }
+      }
+      transpose16(t);
+      for (int i = 0; i < 16; ++i) std::memcpy(&kt[d0 + i][j0], &t[i], sizeof(v16i));
+    }
+  }
+}
+
 #if RADIXSERVE_BF16_DOT
 // The K block as bfloat16 pairs transposed to [D/2][KB] (a 32-bit transpose) and the V block
 // as pairs of consecutive keys [KB/2][D]; keys past `nk` are zero.
@@ -157,10 +207,29 @@ void load_pairs_bf16(const int32_t* slots, int nk, const at::BFloat16* kp, const
                      int64_t kv_stride, int64_t kvh, uint32_t (*kp2)[KB], uint32_t (*vp2)[D]) {
   typedef uint16_t v16h __attribute__((vector_size(32)));
   const uint16_t zeros[D] = {};
-  for (int j = 0; j < KB; ++j) {
-    const uint32_t* k32 = j < nk
-        ? reinterpret_cast<const uint32_t*>(kp + slots[j] * kv_stride + kvh * D) : nullptr;
-    for (int dp = 0; dp < D / 2; ++dp) kp2[dp][j] = k32 ? k32[dp] : 0u;
+  if constexpr (D / 2 < 16) {  // head_dim 16: fewer pairs than a tile
+    for (int j = 0; j < KB; ++j) {
+      const uint32_t* k32 = j < nk
+          ? reinterpret_cast<const uint32_t*>(kp + slots[j] * kv_stride + kvh * D) : nullptr;
+      for (int dp = 0; dp < D / 2; ++dp) kp2[dp][j] = k32 ? k32[dp] : 0u;
+    }
+  } else {
+    // K: 16 x 16 tiles of (key, pair) words, transposed in registers.
+    for (int j0 = 0; j0 < KB; j0 += 16) {
+      for (int dp0 = 0; dp0 < D / 2; dp0 += 16) {
+        v16i t[16];
+        for (int jj = 0; jj < 16; ++jj) {
+          const int j = j0 + jj;
+          if (j < nk) {
+            std::memcpy(&t[jj], kp + slots[j] * kv_stride + kvh * D + 2 * dp0, sizeof(v16i));
+          } else {
+            t[jj] = v16i{};
+          }
+        }
+        transpose16(t);
+        for (int i = 0; i < 16; ++i) std::memcpy(&kp2[dp0 + i][j0], &t[i], sizeof(v16i));
+      }
+    }
   }
   for (int jp = 0; jp < KB / 2; ++jp) {
     const int j0 = 2 * jp, j1 = 2 * jp + 1;
@@ -271,7 +340,8 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t
   alignas(64) uint32_t qp2[BF16_POOL ? MAX_ROWS : 1][D / 2];
   const bool few = rows < FEW_ROWS;
   const bool pairs = BF16_POOL && !few;
-  float m[MAX_ROWS], l[MAX_ROWS];
+  float m[MAX_ROWS];
+  v16 l[MAX_ROWS];  // softmax denominators by lane, summed once at the end
   int64_t limit[MAX_ROWS];
 
   int64_t kv_end = 0;
@@ -293,7 +363,7 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t
     }
     std::memset(acc[r], 0, sizeof(acc[r]));
     m[r] = NEG;
-    l[r] = 0.f;
+    l[r] = v16{};
     limit[r] = plan.entry_limit[e];
     kv_end = std::max(kv_end, limit[r]);
   }
@@ -310,23 +380,14 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t
       }
     }
     // V block [KB][D] and the K block (transposed to [D][KB], or as rows), as float.
+    if (!pairs && !few) load_k_transposed<KT, D>(trow + kb, nk, kp, kv_stride, kvh, kt);
     for (int j = 0; j < (pairs ? 0 : nk); ++j) {
       const int64_t slot = trow[kb + j];
-      const KT* ksrc = kp + slot * kv_stride + kvh * D;
-      const KT* vsrc = vp + slot * kv_stride + kvh * D;
-      if (few) {
-        convert_row(ksrc, kr[j], D);
-      } else {
-        for (int d = 0; d < D; ++d) kt[d][j] = to_float(ksrc[d]);
-      }
-      convert_row(vsrc, vb[j], D);
+      if (few) convert_row(kp + slot * kv_stride + kvh * D, kr[j], D);
+      convert_row(vp + slot * kv_stride + kvh * D, vb[j], D);
     }
     for (int j = nk; j < (pairs ? nk : KB); ++j) {
-      if (few) {
-        std::memset(kr[j], 0, sizeof(kr[j]));
-      } else {
-        for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
-      }
+      if (few) std::memset(kr[j], 0, sizeof(kr[j]));
       std::memset(vb[j], 0, sizeof(vb[j]));
     }
     int r = 0;
@@ -383,11 +444,18 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t
       v16 x0 = load16(&s[r2][0]), x1 = load16(&s[r2][16]);
       x0 = col0 < live ? x0 : splat(NEG);
       x1 = col1 < live ? x1 : splat(NEG);
-      const float mx = std::max(hmax(x0), hmax(x1));
+      const float mx = hmax(x0 > x1 ? x0 : x1);
       const float mnew = std::max(m[r2], mx);
       const float alpha = std::exp(m[r2] - mnew);
-      const v16 p0 = exp16(x0 - mnew), p1 = exp16(x1 - mnew);
-      l[r2] = l[r2] * alpha + hsum(p0 + p1);
+      v16 p0, p1;
+      if (pairs) {
+        p0 = exp16<true>(x0 - mnew);
+        p1 = exp16<true>(x1 - mnew);
+      } else {
+        p0 = exp16(x0 - mnew);
+        p1 = exp16(x1 - mnew);
+      }
+      l[r2] = l[r2] * alpha + (p0 + p1);
       m[r2] = mnew;
       store16(&s[r2][0], p0);
       store16(&s[r2][16], p1);
@@ -434,10 +502,11 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t
   for (int r = 0; r < rows; ++r) {
     const int64_t e = e0 + r / group;
     const int64_t h = kvh * group + r % group;
-    const float inv = 1.f / l[r];
+    const float total = hsum(l[r]);
+    const float inv = 1.f / total;
     float* dst = part + (e * num_heads + h) * D;
     for (int d = 0; d < D; ++d) dst[d] = acc[r][d] * inv;
-    lse[e * num_heads + h] = m[r] + std::log(l[r]);
+    lse[e * num_heads + h] = m[r] + std::log(total);
   }
 }
 

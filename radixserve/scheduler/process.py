@@ -95,6 +95,16 @@ def _run_step(sched: Any, send: zmq.Socket) -> None:
         _fail_in_flight(sched, send, f"internal error in the scheduler: {e!r}", also=unsent)
 
 
+def dtype_note(args: Any) -> str:
+    """The dtype, and for a CPU what decided it (bfloat16 needs AMX or AVX-512 BF16 to be fast)."""
+    if args.device != "cpu":
+        return args.dtype
+    from radixserve.config import cpu_bf16_feature
+
+    feature = cpu_bf16_feature()
+    return f"{args.dtype} (CPU bfloat16 instructions: {feature or 'none'})"
+
+
 def run_scheduler_process(
     args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_pipe: Any
 ) -> None:
@@ -136,7 +146,7 @@ def run_scheduler_process(
         "ready: %s, %d KV tokens (page %d), %d request rows, %d torch threads (%s), "
         "dtype %s, attention %s",
         model_path, sched.pool_tokens, sched.page_size, sched.max_running,
-        info["torch_threads"], threads_source, args.dtype, sched.runner.attention_path,
+        info["torch_threads"], threads_source, dtype_note(args), sched.runner.attention_path,
     )
     parent = os.getppid()
     last_log = time.monotonic()
