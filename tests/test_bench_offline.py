@@ -179,8 +179,14 @@ def test_quick_benchmark_writes_sane_json(tmp_path, tokenizer) -> None:
     assert prompt_tokens == n_requests * (params["system_len"] + params["question_len"])
 
     rows = {(r["config"], r["dtype"]): r for r in report["results"]}
-    assert set(rows) == {("radix", "float32"), ("no-radix", "float32"), ("hf-static", "float32")}
+    assert set(rows) == {("radix", "float32"), ("radix-torch", "float32"), ("no-radix", "float32"),
+                         ("hf-static", "float32")}
     radix, no_radix, hf = rows[("radix", "float32")], rows[("no-radix", "float32")], rows[("hf-static", "float32")]
+    # The pure-torch engine (C++ kernels off) computes the same tokens and, in float32, the
+    # same greedy outputs.
+    pure = rows[("radix-torch", "float32")]
+    assert pure["prefill_computed"] == radix["prefill_computed"]
+    assert pure["outputs_match_radix"] == 1.0
     for r in rows.values():
         assert r["output_tokens"] == n_requests * params["output_len"]
         assert r["all_outputs_full_length"]
