@@ -12,7 +12,9 @@ TARGET_COMPUTED_OVER_UNIQUE = 1.1
 TARGET_SPEEDUP_VS_NO_RADIX = 4.0
 TARGET_SPEEDUP_VS_HF = 5.0
 TARGET_HIT_RATE = 0.85
-TARGET_OVERHEAD_MS = 2.0
+TARGET_OVERHEAD_MS = 1.0
+# Wall time over the matmul floor on the shared-prefix workload, by dtype.
+TARGET_WALL_OVER_FLOOR = {"bfloat16": 3.0, "float32": 2.0}
 
 
 def finish_rows(rows: list[dict[str, Any]]) -> None:
@@ -108,6 +110,11 @@ def check_targets(rows: list[dict[str, Any]], workload: str) -> list[dict[str, A
             checks.append(target(dtype, f"{other} wall / radix wall >=", speedup, limit, at_least=True))
         if workload == "shared-prefix":
             checks.append(target(dtype, "radix hit rate >=", radix["hit_rate"], TARGET_HIT_RATE, at_least=True))
+            if dtype in TARGET_WALL_OVER_FLOOR:
+                floor = radix.get("floor")
+                checks.append(target(dtype, "radix wall / matmul floor <=",
+                                     floor["wall_over_floor"] if floor else None,
+                                     TARGET_WALL_OVER_FLOOR[dtype], at_least=False))
         check = radix.get("overhead_check") or {}
         bucket = check.get("bucket", "64")
         value = check.get("overhead_ms_at_bucket", radix["stats"]["overhead_ms_by_batch"].get("64"))

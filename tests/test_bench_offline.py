@@ -133,7 +133,7 @@ def test_quick_breakdown_splits_the_step_time_and_reports_the_floor(tmp_path) ->
     assert decode["decode_steps"] >= params["output_len"] - 1
     assert 1 <= decode["decode_rows_per_step"] <= n_requests
     targets = {t["target"]: t for t in report["targets"]}
-    share = targets[f"decode step at {n_requests} requests: attention share <="]
+    share = targets[f"radix decode step at {n_requests} requests: attention share <="]
     assert share["value"] == decode["attention_share"] and share["limit"] == 0.35
 
 
@@ -223,7 +223,7 @@ def test_quick_benchmark_writes_sane_json(tmp_path, tokenizer) -> None:
     targets = {t["target"]: t for t in report["targets"]}
     assert set(targets) == {
         "radix computed/unique <=", "no-radix wall / radix wall >=", "hf-static wall / radix wall >=",
-        "radix hit rate >=", "scheduler overhead ms at batch 8 <=",
+        "radix hit rate >=", "scheduler overhead ms at batch 8 <=", "radix wall / matmul floor <=",
     }
     assert targets["radix computed/unique <="]["value"] == 1.0
     assert targets["radix computed/unique <="]["ok"] is True
@@ -234,6 +234,7 @@ def test_quick_benchmark_writes_sane_json(tmp_path, tokenizer) -> None:
         "no-radix wall / radix wall >=": (no_radix["speedup_of_radix"], True),
         "hf-static wall / radix wall >=": (hf["speedup_of_radix"], True),
         "scheduler overhead ms at batch 8 <=": (check["overhead_ms_at_bucket"], False),
+        "radix wall / matmul floor <=": (radix["floor"]["wall_over_floor"], False),
     }
     for name, (value, at_least) in timed.items():
         t = targets[name]

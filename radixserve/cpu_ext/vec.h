@@ -19,10 +19,8 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// e^x, relative error ~2e-7 (Taylor to degree 7 after range reduction), or ~3e-6 with
-// `Coarse` (degree 5: enough for weights that are rounded to bfloat16 next); x below -87 -> 0,
+// e^x, relative error ~2e-7 (Taylor to degree 7 after range reduction); x below -87 -> 0,
 // x above 88 -> e^88.
-template <bool Coarse = false>
 inline v16 exp16(v16 x) {
   const v16 lo = splat(-87.0f), hi = splat(88.0f);
   v16i dead = x < lo;
@@ -33,14 +31,9 @@ inline v16 exp16(v16 x) {
   const v16 n = __builtin_convertvector(
       __builtin_convertvector(t + (t < 0 ? splat(-0.5f) : splat(0.5f)), v16i), v16);
   v16 f = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  v16 p;
-  if constexpr (Coarse) {
-    p = splat(1.0f / 120);
-  } else {
-    p = splat(1.0f / 5040);
-    p = p * f + 1.0f / 720;
-    p = p * f + 1.0f / 120;
-  }
+  v16 p = splat(1.0f / 5040);
+  p = p * f + 1.0f / 720;
+  p = p * f + 1.0f / 120;
   p = p * f + 1.0f / 24;
   p = p * f + 1.0f / 6;
   p = p * f + 0.5f;

@@ -57,7 +57,6 @@ def reserve_decode_slots(
                 req.finish_reason = FinishReason("length", length=req.output_len)
                 out_of_memory.append(req)
         active = [r for r in active if r not in out_of_memory]
-    for req in active:
-        if not kv.ensure_slots(req, req.remaining_extend):
-            raise RuntimeError(f"no slot for the next token of {req!r} after reservation")
+    if not kv.ensure_slots_many(active, [r.remaining_extend for r in active]):
+        raise RuntimeError(f"no slots for the next tokens of {len(active)} requests after reservation")
     return retracted, out_of_memory

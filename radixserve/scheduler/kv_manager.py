@@ -81,19 +81,36 @@ class KVManager:
 
     def ensure_slots(self, req: Req, n: int) -> bool:
         """Back row ``[kv_len, kv_len + n)`` with slots, evicting tree leaves if needed."""
-        pages = self.new_pages_needed(req, n)
-        if pages == 0:
+        return self.ensure_slots_many([req], [n])
+
+    def ensure_slots_many(self, reqs: list[Req], ns: list[int]) -> bool:
+        """Back each request's row ``[kv_len, kv_len + n)`` with slots: one allocation and one
+        table write for all of them (a decode step's 64 requests cost one call, not 64).
+        False, with nothing allocated, when the pool cannot supply them even after eviction."""
+        grow = [(req, pages) for req, n in zip(reqs, ns, strict=True)
+                if (pages := self.new_pages_needed(req, n))]
+        if not grow:
             return True
-        short = pages - self.allocator.num_free_pages
+        total = sum(pages for _, pages in grow)
+        short = total - self.allocator.num_free_pages
         if short > 0:
             self.evict_pages(short)
-        slots = self.allocator.alloc_pages(pages)
+        slots = self.allocator.alloc_pages(total)
         if slots is None:
             return False
-        # Row [alloc_len, alloc_len + pages * page_size): the request's new pages.
-        start = self.pages_for(req.alloc_len) * self.page_size
-        self.req_pool.table[req.row, start : start + len(slots)] = torch.from_numpy(slots)
-        req.alloc_len = start + len(slots)
+        ps = self.page_size
+        rows = np.empty(len(grow), dtype=np.int64)
+        starts = np.empty(len(grow), dtype=np.int64)
+        counts = np.empty(len(grow), dtype=np.int64)
+        for i, (req, pages) in enumerate(grow):
+            # Row [alloc_len, alloc_len + pages * page_size): the request's new pages.
+            rows[i], starts[i], counts[i] = req.row, self.pages_for(req.alloc_len) * ps, pages * ps
+            req.alloc_len = int(starts[i] + counts[i])
+        offsets = np.arange(len(slots), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        cols = np.repeat(starts, counts) + offsets
+        table = self.req_pool.table
+        table[torch.from_numpy(np.repeat(rows, counts)), torch.from_numpy(cols)] = (
+            torch.from_numpy(slots).to(table.dtype))
         return True
 
     def out_slots(self, req: Req, n: int) -> torch.Tensor:

@@ -301,7 +301,9 @@ class Scheduler:
         sample_reqs = [entries[i][0] for i in sample_idx]
         out = None
         if sample_reqs:
-            sample_logits = logits[sample_idx]  # a copy: masked in place
+            # Masked in place: a copy of the sampling rows, or the logits themselves when every
+            # row samples (a decode step; nothing reads them after sampling).
+            sample_logits = logits if len(sample_idx) == len(entries) else logits[sample_idx]
             self.constraints.mask_logits(sample_logits, sample_reqs)
             out = self.runner.sample(sample_logits, sample_reqs)
         self._last_forward_s = time.perf_counter() - t0
