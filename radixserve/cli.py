@@ -14,7 +14,8 @@ from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs, env_defa
 _HELP = {
     "model": "local HF folder (config.json + safetensors) or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer folder (default: the model's)",
-    "dtype": "weights and KV dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16",
+    "dtype": "weights and KV dtype: auto (bfloat16 on GPU and on CPUs with AMX or AVX-512 BF16, else float32), "
+             "float32, bfloat16, float16",
     "device": "auto (cuda when available, else cpu), cpu or cuda",
     "attention_backend": "auto (triton on GPU, torch on CPU), torch or triton",
     "page_size": "tokens per KV page (default: 1 on CPU, 16 on GPU)",
@@ -22,7 +23,15 @@ _HELP = {
     "max_running_requests": f"most requests running at once (default: {DEFAULT_MAX_RUNNING_REQUESTS})",
     "max_prefill_tokens": "token budget of one prefill batch",
     "chunked_prefill_size": "longest prefill chunk; -1 off (default: 1024 on CPU, 8192 on GPU)",
-    "schedule_policy": "lpm (longest cached prefix first) or fcfs",
+    "schedule_policy": "waiting-queue order: lpm (longest cached prefix first), dfs-weight (finish one tree branch "
+                       "while cached), fcfs, lof (longest output first), random, priority (the request's priority)",
+    "schedule_policy_max_queue": "lpm and dfs-weight act as fcfs above this many waiting requests",
+    "schedule_low_priority_values_first": "priority policy: smaller priority values go first (vLLM's order; "
+                                          "default: larger first, as SGLang)",
+    "priority_preemption": "priority policy: retract running requests of lower priority when a waiting one "
+                           "cannot be admitted",
+    "max_pinned_fraction": "share of the KV pool that pinned prefixes (POST /cache/pin) may hold",
+    "radix_eviction_policy": "prefix-cache eviction: lru, lfu, or slru (a prefix hit twice outlives one-off prompts)",
     "disable_radix_cache": "turn the prefix cache off",
     "context_length": "longest sequence (default: the model's max_position_embeddings)",
     "random_seed": "seed of the seeds drawn for requests that give none",

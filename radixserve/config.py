@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_POLICIES = ("lpm", "fcfs")
+_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")  # scheduler/policy.py
+_EVICTION_POLICIES = ("lru", "lfu", "slru")  # cache/radix_tree.py
 _BACKENDS = ("auto", "torch", "triton")
 _GRAMMAR_BACKENDS = ("xgrammar", "none")
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "prompted")
@@ -48,7 +49,12 @@ class ServerArgs:
     max_running_requests: int | None = None  # rows of the request-to-token table
     max_prefill_tokens: int = 16384  # token budget of one prefill batch
     chunked_prefill_size: int | None = None  # longest prefill chunk; 1024 on CPU, 8192 on GPU; -1 off
-    schedule_policy: str = "lpm"  # lpm (longest prefix match first) or fcfs
+    schedule_policy: str = "lpm"  # lpm, dfs-weight, fcfs, lof, random, priority (scheduler/policy.py)
+    schedule_policy_max_queue: int = 128  # lpm/dfs-weight act as fcfs above this many waiting requests
+    schedule_low_priority_values_first: bool = False  # priority policy: smaller values first (vLLM's order)
+    priority_preemption: bool = False  # priority policy: retract lower levels for a waiting request
+    radix_eviction_policy: str = "lru"  # lru, lfu or slru (scan resistant)
+    max_pinned_fraction: float = 0.5  # of the KV pool that pinned prefixes may hold
     disable_radix_cache: bool = False
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
@@ -74,6 +80,9 @@ class ServerArgs:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.schedule_policy not in _POLICIES:
             raise ValueError(f"schedule_policy must be one of {_POLICIES}, got {self.schedule_policy!r}")
+        if self.radix_eviction_policy not in _EVICTION_POLICIES:
+            raise ValueError(f"radix_eviction_policy must be one of {_EVICTION_POLICIES}, "
+                             f"got {self.radix_eviction_policy!r}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
@@ -84,6 +93,7 @@ class ServerArgs:
             "max_running_requests",
             "context_length",
             "max_queued_requests",
+            "schedule_policy_max_queue",
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -98,6 +108,8 @@ class ServerArgs:
             self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1
         ):
             raise ValueError("chunked_prefill_size must be -1 (off) or >= 1")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError("max_pinned_fraction must be in [0, 1]")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
         if not 0 <= self.port < 65536:

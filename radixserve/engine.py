@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -20,12 +20,20 @@ from radixserve.config import ServerArgs
 from radixserve.frontend.chat_render import render_without_tools, validation_message
 from radixserve.frontend.native_output import LogprobRequest, NativeOutput
 from radixserve.frontend.protocol import ApplyChatTemplateRequest
-from radixserve.frontend.tokenizer_manager import RequestError, TokenizerManager
+from radixserve.frontend.tokenizer_manager import RequestError, SchedulingHints, TokenizerManager
 from radixserve.launcher import ProcessGroup
 from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 WATCHDOG_INTERVAL_S = 0.5
+
+
+class Job(NamedTuple):
+    """One prompt of a call, validated: its ids, sampling and scheduling hints."""
+
+    ids: list[int]
+    params: Any  # SamplingParams
+    hints: SchedulingHints
 # Aggregating a long profile (hundreds of thousands of ops) takes a while on a small CPU.
 PROFILE_STOP_TIMEOUT_S = 600.0
 
@@ -72,7 +80,9 @@ class Engine:
         sampling_params: dict | list[dict] | None,
         input_ids: list[int] | list[list[int]] | None,
         logprob_start_len: int = -1,
-    ) -> tuple[bool, list[tuple[list[int], Any]]]:
+        extra_key: str | list[str | None] | None = None,
+        priority: int = 0,
+    ) -> tuple[bool, list[Job]]:
         """Validate every request of the call up front; ValueError names the bad one."""
         if prompt is None and input_ids is None:
             raise ValueError("give prompt or input_ids")
@@ -98,28 +108,30 @@ class Engine:
             if sampling_params is not None and not isinstance(sampling_params, dict):
                 raise ValueError("sampling_params must be a dict or a list of dicts")
             params_list = [sampling_params] * len(prompts)
+        keys = extra_key if isinstance(extra_key, list) else [extra_key] * len(prompts)
+        if len(keys) != len(prompts):
+            raise ValueError(f"{len(keys)} extra_key values for {len(prompts)} prompts")
         prepared = []
-        for i, (p, ids, sp) in enumerate(zip(prompts, ids_list, params_list, strict=True)):
+        for i, (p, ids, sp, key) in enumerate(zip(prompts, ids_list, params_list, keys, strict=True)):
             try:
-                prepared.append(self.tm.prepare(p, ids, sp, logprob_start_len))
+                ids, params = self.tm.prepare(p, ids, sp, logprob_start_len)
+                prepared.append(Job(ids, params, SchedulingHints(key or "", priority)))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if batched else str(e)) from None
         return batched, prepared
 
-    def _pieces(self, ids: list[int], params: Any, stream: bool, lp: LogprobRequest) -> AsyncIterator[dict[str, Any]]:
-        return self.tm.generate(ids, params, stream, lp.return_logprob, lp.top_logprobs_num,
-                                logprob_start_len=lp.scheduler_start(len(ids)))
+    def _pieces(self, job: Job, stream: bool, lp: LogprobRequest) -> AsyncIterator[dict[str, Any]]:
+        return self.tm.generate(job.ids, job.params, stream, lp.return_logprob, lp.top_logprobs_num,
+                                logprob_start_len=lp.scheduler_start(len(job.ids)), hints=job.hints)
 
-    async def _collect(self, ids: list[int], params: Any, lp: LogprobRequest) -> dict[str, Any]:
-        out = NativeOutput(ids, lp, self.tokenizer)
-        async for piece in self._pieces(ids, params, False, lp):
+    async def _collect(self, job: Job, lp: LogprobRequest) -> dict[str, Any]:
+        out = NativeOutput(job.ids, lp, self.tokenizer)
+        async for piece in self._pieces(job, False, lp):
             out.add(piece)
         return out.result()
 
-    async def _generate_all(
-        self, prepared: list[tuple[list[int], Any]], lp: LogprobRequest, progress: bool
-    ) -> list[dict[str, Any]]:
-        tasks = [asyncio.ensure_future(self._collect(ids, sp, lp)) for ids, sp in prepared]
+    async def _generate_all(self, prepared: list[Job], lp: LogprobRequest, progress: bool) -> list[dict[str, Any]]:
+        tasks = [asyncio.ensure_future(self._collect(job, lp)) for job in prepared]
         try:
             if progress:
                 from tqdm import tqdm
@@ -149,6 +161,8 @@ class Engine:
         progress: bool | None = None,
         logprob_start_len: int = -1,
         return_text_in_logprobs: bool = False,
+        extra_key: str | list[str | None] | None = None,
+        priority: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts, in input order).
 
@@ -167,8 +181,13 @@ class Engine:
         positions ``[logprob_start_len, prompt_len)`` (logprob None at position 0), and with
         the default ``logprob_start_len = -1`` the last prompt position only.  Prompt tokens
         whose logprobs are asked for are computed even when cached.
+
+        ``extra_key`` (one, or one per prompt): the cache namespace (the HTTP routes'
+        ``cache_salt``); cached prefixes are shared only between requests with the same key.
+        ``priority``: the level used by ``schedule_policy="priority"``.
         """
-        batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len)
+        batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len,
+                                            extra_key, priority)
         lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
         if stream:
             if batched:
@@ -178,14 +197,14 @@ class Engine:
         results = self._call(self._generate_all(prepared, lp, show))
         return results if batched else results[0]
 
-    def _stream_sync(self, prepared: tuple[list[int], Any], lp: LogprobRequest) -> Iterator[dict[str, Any]]:
+    def _stream_sync(self, job: Job, lp: LogprobRequest) -> Iterator[dict[str, Any]]:
         q: queue.Queue = queue.Queue()
         done = object()
-        out = NativeOutput(prepared[0], lp, self.tokenizer)
+        out = NativeOutput(job.ids, lp, self.tokenizer)
 
         async def pump() -> None:
             try:
-                async for piece in self._pieces(prepared[0], prepared[1], True, lp):
+                async for piece in self._pieces(job, True, lp):
                     q.put(out.add(piece))
             except BaseException as e:  # handed to the consumer thread, which re-raises it
                 q.put(e)
@@ -211,9 +230,12 @@ class Engine:
         stream: bool = False,
         logprob_start_len: int = -1,
         return_text_in_logprobs: bool = False,
+        extra_key: str | list[str | None] | None = None,
+        priority: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio variant of :meth:`generate`, usable from any event loop."""
-        batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len)
+        batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len,
+                                            extra_key, priority)
         lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
         if stream:
             if batched:
@@ -223,9 +245,9 @@ class Engine:
         results = await asyncio.wrap_future(fut)
         return results if batched else results[0]
 
-    async def _stream_async(self, prepared: tuple[list[int], Any], lp: LogprobRequest) -> AsyncIterator[dict[str, Any]]:
-        out = NativeOutput(prepared[0], lp, self.tokenizer)
-        agen = self._pieces(prepared[0], prepared[1], True, lp)
+    async def _stream_async(self, job: Job, lp: LogprobRequest) -> AsyncIterator[dict[str, Any]]:
+        out = NativeOutput(job.ids, lp, self.tokenizer)
+        agen = self._pieces(job, True, lp)
         try:
             while True:
                 fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
@@ -259,6 +281,40 @@ class Engine:
         except ValidationError as e:
             raise ValueError(validation_message(e)) from None
         return render_without_tools(self.tokenizer, self.args.tool_call_parser, body)
+
+    def _prefix_ids(self, prompt: str | None, input_ids: list[int] | None,
+                    messages: list[dict[str, Any]] | None) -> list[int]:
+        if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
+            raise ValueError("give exactly one of prompt, input_ids and messages")
+        if messages is not None:
+            prompt = self.apply_chat_template(messages, add_generation_prompt=False)
+        ids, _ = self.tm.prepare(prompt, input_ids, {"max_new_tokens": 0})
+        return ids
+
+    def pin(self, prompt: str | None = None, input_ids: list[int] | None = None,
+            messages: list[dict[str, Any]] | None = None, ttl: float | None = None,
+            extra_key: str | None = None) -> dict[str, Any]:
+        """Keep a prefix in the cache: computed now if it is not cached, then never evicted
+        until :meth:`unpin` (or ``ttl`` seconds).  ``messages`` are rendered by the chat
+        template without the generation prompt.  Returns ``pin_id``, ``tokens`` (the pinned
+        page-aligned length), ``cache_salt``, ``expires_in``; ValueError when the pinned total
+        would pass ``max_pinned_fraction`` of the pool."""
+        ids = self._prefix_ids(prompt, input_ids, messages)
+        return self._call(self.tm.pin(ids, SchedulingHints(extra_key or "", pin_ttl=ttl)))
+
+    def unpin(self, pin_id: str | None = None, prompt: str | None = None, input_ids: list[int] | None = None,
+              messages: list[dict[str, Any]] | None = None, extra_key: str | None = None) -> list[str]:
+        """Drop the pin ``pin_id``, or every pin of exactly this prefix; the dropped pins' ids."""
+        if pin_id is not None:
+            result = self._call(self.tm.control("unpin", pin_id=pin_id))
+        else:
+            ids = self._prefix_ids(prompt, input_ids, messages)
+            result = self._call(self.tm.control("unpin", input_ids=ids, extra_key=extra_key or ""))
+        return list(result["unpinned"])
+
+    def pins(self) -> list[dict[str, Any]]:
+        """The live pins: ``pin_id``, ``tokens``, ``cache_salt``, ``expires_in``."""
+        return list(self._call(self.tm.control("pins"))["pins"])
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler counters: tokens, hit rate, retractions, evictions, step overhead."""

@@ -114,6 +114,10 @@ class GenerateReq:
     stream: bool = False
     # -1: no prompt logprobs; k >= 0: logprobs of prompt tokens [k, prompt_len) (with return_logprob)
     logprob_start_len: int = -1
+    extra_key: str = ""  # cache namespace (``cache_salt``): prefixes are shared only within it
+    priority: int = 0  # level for ``--schedule-policy priority``
+    pin: bool = False  # when it finishes, pin its cached prompt (scheduler/pins.py)
+    pin_ttl: float | None = None  # seconds the pin lasts; None: until unpinned
 
 
 @message("abort")
@@ -124,10 +128,11 @@ class AbortReq:
 @message("control")
 class ControlReq:
     """``command``: ``stats`` | ``flush_cache`` | ``check_memory`` | ``start_profile`` |
-    ``stop_profile``; answered by ControlOut."""
+    ``stop_profile`` | ``pins`` | ``unpin``; answered by ControlOut."""
 
     cid: str
     command: str
+    args: dict[str, Any] = field(default_factory=dict)  # ``unpin``: pin_id or input_ids + extra_key
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer

@@ -81,7 +81,7 @@ def test_environment_sets_defaults() -> None:
 
 
 def test_bad_setting_is_a_clear_error(capsys) -> None:
-    assert main(["generate", "hi", "--schedule-policy", "random"]) == 2
+    assert main(["generate", "hi", "--schedule-policy", "newest-first"]) == 2
     assert "schedule_policy" in capsys.readouterr().err
 
 

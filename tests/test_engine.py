@@ -181,6 +181,31 @@ def test_prefill_only_with_and_without_cache_hit(engine) -> None:
     assert gen["meta_info"]["completion_tokens"] == 4
 
 
+def test_pin_keeps_a_prefix_and_unpin_releases_it(engine) -> None:
+    assert engine.flush_cache()
+    page = engine.info["page_size"]
+    msgs = [{"role": "system", "content": SYSTEM}]
+    pin = engine.pin(messages=msgs, ttl=600)
+    ids = engine.tokenizer.encode(engine.apply_chat_template(msgs, add_generation_prompt=False),
+                                  add_special_tokens=False)
+    assert pin["tokens"] == len(ids) // page * page and 0 < pin["expires_in"] <= 600
+    assert [p | {"expires_in": None} for p in engine.pins()] == [pin | {"expires_in": None}]
+    assert engine.check_memory()["pinned_tokens"] == pin["tokens"]
+    # A chat request with that system prompt reads it from the tree.
+    chat = engine.apply_chat_template(msgs + [{"role": "user", "content": "Where is Rome?"}])
+    out = engine.generate(chat, {"max_new_tokens": 1})
+    assert out["meta_info"]["cached_tokens"] >= pin["tokens"] - page
+    salted = engine.pin(messages=msgs, extra_key="tenant-x")  # its own copy in its namespace
+    assert salted["cache_salt"] == "tenant-x" and salted["pin_id"] != pin["pin_id"]
+    assert engine.unpin(messages=msgs, extra_key="tenant-x") == [salted["pin_id"]]
+    assert engine.unpin(pin["pin_id"]) == [pin["pin_id"]]
+    assert engine.pins() == [] and engine.unpin(pin["pin_id"]) == []
+    with pytest.raises(ValueError, match="exactly one"):
+        engine.pin()
+    with pytest.raises(ValueError, match="ttl"):
+        engine.pin(prompt="hello there", ttl=-1)
+
+
 def test_apply_chat_template(engine) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of Spain?"}]
     render = engine.tokenizer.apply_chat_template

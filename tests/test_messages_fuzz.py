@@ -243,7 +243,7 @@ def test_rows_that_do_not_line_up_are_refused(payload: dict[str, Any], data: st.
     ({"type": "str_out", "rids": ["a"], "text_deltas": ["x"], "new_ids": [[1]], "finished": [None], "meta": [{}],
       "top_logprobs": [[[[1, 0.5], [2, "x"]]]]}, "'top_logprobs'[0][0][1][1]: expected a number, got str"),
     ({"type": ["token_out"]}, "unknown message type"),
-    ({"type": "control", "cid": "c"}, "expected ['cid', 'command']"),
+    ({"type": "control", "cid": "c"}, "expected ['args', 'cid', 'command']"),
 ])
 def test_wrong_types_are_named(payload: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=None) as e:

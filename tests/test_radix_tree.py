@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from radixserve.cache.radix_tree import RadixCache, TreeNode
+from radixserve.cache.radix_tree import EVICTION_POLICIES, SLRU_PROTECT_HITS, RadixCache, TreeNode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,6 +44,11 @@ class Pool:
 def make(page_size: int = 1, disable: bool = False) -> tuple[RadixCache, Pool]:
     pool = Pool()
     return RadixCache(page_size, pool.free, disable=disable), pool
+
+
+def make_policy(policy: str) -> tuple[RadixCache, Pool]:
+    pool = Pool()
+    return RadixCache(1, pool.free, eviction_policy=policy), pool
 
 
 def path_len(node: TreeNode) -> int:
@@ -334,6 +339,76 @@ def test_check_invariants_detects_corruption():
         tree.check_invariants()
 
 
+def test_slru_evicts_one_off_prompts_before_a_prefix_hit_twice():
+    tree, pool = make_policy("slru")
+    system = [1, 2, 3, 4]
+    tree.insert(system, np.arange(10, 14))
+    for _ in range(2):  # two admissions reuse the system prompt
+        tree.record_hit(tree.match_prefix(system).node)
+    for i in range(5):  # a burst of one-off prompts, all newer than the system prompt
+        tree.insert([50 + i, 1], np.array([20 + 2 * i, 21 + 2 * i]))
+    assert tree.evict(10) == 10
+    assert tree.match_prefix(system).slots.tolist() == [10, 11, 12, 13]
+    assert tree.evict(4) == 4  # only the protected prefix is left: it goes last
+    assert pool.freed[-1].tolist() == [10, 11, 12, 13]
+
+
+def test_lru_evicts_the_hot_prefix_behind_newer_one_offs():
+    tree, pool = make_policy("lru")
+    tree.insert([1, 2, 3, 4], np.arange(10, 14))
+    tree.record_hit(tree.match_prefix([1, 2, 3, 4]).node)
+    tree.insert([50, 1], np.array([20, 21]))
+    tree.evict(1)
+    assert tree.match_prefix([1, 2, 3, 4]).slots.tolist() == []
+
+
+def test_lfu_evicts_least_hit_first_then_least_recent():
+    tree, _ = make_policy("lfu")
+    tree.insert([1], np.array([10]))
+    tree.insert([2], np.array([11]))
+    tree.insert([3], np.array([12]))
+    for key in ([1], [1], [3]):
+        tree.record_hit(tree.match_prefix(key).node)
+    tree.evict(1)  # [2]: no hits
+    assert [len(tree.match_prefix([k]).slots) for k in (1, 2, 3)] == [1, 0, 1]
+    tree.evict(1)  # [3]: one hit against two
+    assert [len(tree.match_prefix([k]).slots) for k in (1, 3)] == [1, 0]
+
+
+def test_namespaces_never_share_and_empty_ones_are_dropped():
+    tree, _ = make()
+    tree.insert([1, 2, 3], np.array([10, 11, 12]))
+    assert tree.match_prefix([1, 2, 3], "tenant-a").slots.tolist() == []
+    assert tree.insert([1, 2, 3], np.array([20, 21, 22]), "tenant-a") == 0  # its own copy
+    assert tree.match_prefix([1, 2, 3], "tenant-a").slots.tolist() == [20, 21, 22]
+    assert tree.match_prefix([1, 2, 3]).slots.tolist() == [10, 11, 12]
+    tree.check_invariants()
+    assert tree.evict(6) == 6
+    assert set(tree._roots) == {""}
+
+
+def test_pins_hold_their_path_and_count_once():
+    tree, _ = make()
+    tree.insert([1, 2, 3, 4], np.arange(10, 14))
+    long_node = tree.match_prefix([1, 2, 3, 4]).node
+    short_node = tree.match_prefix([1, 2]).node  # splits: [1, 2] | [3, 4]
+    tree.pin(long_node)
+    tree.pin(short_node)
+    assert tree.pinned_size() == 4 and tree.evict(4) == 0
+    tree.unpin(long_node)
+    assert tree.pinned_size() == 2 and tree.evict(4) == 2
+    assert tree.match_prefix([1, 2, 3, 4]).slots.tolist() == [10, 11]
+    tree.unpin(short_node)
+    with pytest.raises(RuntimeError):
+        tree.unpin(short_node)
+    tree.check_invariants()
+
+
+def test_unknown_eviction_policy_is_refused():
+    with pytest.raises(ValueError, match="eviction_policy"):
+        RadixCache(1, Pool().free, eviction_policy="mru")
+
+
 def test_bench_quick(tmp_path):
     spec = importlib.util.spec_from_file_location(
         "bench_radix_tree", REPO / "bench" / "radix_tree.py"
@@ -355,75 +430,111 @@ PIECES = [(0, 0, 0, 0), (0, 0, 0, 1), (1, 1, 1, 1), (0,), (1,), (2,), (0, 0), (1
 tokens = st.lists(st.sampled_from(PIECES), max_size=4).map(lambda ps: [t for p in ps for t in p])
 
 
+NAMESPACES = st.sampled_from(["", "salt-a"])
+
+
 class RadixModel(RuleBasedStateMachine):
     """Drives a RadixCache and a brute-force model side by side.
 
-    The model maps every cached page-aligned prefix (a tuple of tokens) to the slots of its
-    last page. Eviction is the tree's choice; the model follows by dropping the pages whose
-    slots were freed, then checks that what was dropped was allowed to go.
+    The model maps every cached page-aligned prefix ``(namespace, tokens)`` to the slots of
+    its last page, with the page's last access and hit count. Eviction is the tree's choice;
+    the model follows by dropping the pages whose slots were freed, then checks that what was
+    dropped was allowed to go: a leaf, not locked, not pinned, and never of higher priority
+    under the eviction policy than a leaf that stayed.
     """
 
-    @initialize(page_size=st.sampled_from([1, 4]))
-    def setup(self, page_size: int) -> None:
+    @initialize(page_size=st.sampled_from([1, 4]), policy=st.sampled_from(EVICTION_POLICIES))
+    def setup(self, page_size: int, policy: str) -> None:
         self.p = page_size
+        self.policy = policy
         self.pool = Pool()
-        self.tree = RadixCache(page_size, self.pool.free)
-        self.pages: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self.owner: dict[int, tuple[int, ...]] = {}  # first slot of a page -> its prefix
+        self.tree = RadixCache(page_size, self.pool.free, eviction_policy=policy)
+        Page = tuple[str, tuple[int, ...]]
+        self.pages: dict[Page, tuple[int, ...]] = {}
+        self.owner: dict[int, Page] = {}  # first slot of a page -> its prefix
         self.given: list[int] = []
         self.caller_freed: list[int] = []
-        self.locks: list[tuple[TreeNode, tuple[int, ...]]] = []
-        self.access: dict[tuple[int, ...], int] = {}  # page prefix -> last tick that touched it
+        self.locks: list[tuple[TreeNode, Page]] = []
+        self.pins: list[tuple[TreeNode, Page]] = []
+        self.access: dict[Page, int] = {}  # last tick that touched the page
+        self.hits: dict[Page, int] = {}
         self.clock = 0
 
-    def touch(self, key: list[int], length: int) -> None:
+    def touch(self, ns: str, key: list[int], length: int) -> None:
         self.clock += 1
         for end in range(self.p, length + 1, self.p):
-            self.access[tuple(key[:end])] = self.clock
+            self.access[(ns, tuple(key[:end]))] = self.clock
 
-    def expected_match(self, key: list[int]) -> tuple[int, list[int]]:
+    def priority(self, page: tuple[str, tuple[int, ...]]) -> tuple[int, ...]:
+        hits, access = self.hits.get(page, 0), self.access[page]
+        return {"lru": (access,), "lfu": (hits, access), "slru": (int(hits >= SLRU_PROTECT_HITS), access)}[self.policy]
+
+    def expected_match(self, ns: str, key: list[int]) -> tuple[int, list[int]]:
         slots: list[int] = []
         n = 0
-        while n + self.p <= len(key) and tuple(key[: n + self.p]) in self.pages:
+        while n + self.p <= len(key) and (ns, tuple(key[: n + self.p])) in self.pages:
             n += self.p
-            slots.extend(self.pages[tuple(key[:n])])
+            slots.extend(self.pages[(ns, tuple(key[:n]))])
         return n, slots
 
-    @rule(key=tokens)
-    def insert(self, key: list[int]) -> None:
+    @rule(key=tokens, ns=NAMESPACES)
+    def insert(self, key: list[int], ns: str) -> None:
         slots = self.pool.alloc(len(key))
         self.given.extend(slots.tolist())
-        expected, _ = self.expected_match(key)
-        cached = self.tree.insert(key, slots)
+        expected, _ = self.expected_match(ns, key)
+        cached = self.tree.insert(key, slots, ns)
         assert cached == expected
         aligned = len(key) // self.p * self.p
         for end in range(cached + self.p, aligned + 1, self.p):
             page = tuple(slots[end - self.p : end].tolist())
-            self.pages[tuple(key[:end])] = page
-            self.owner[page[0]] = tuple(key[:end])
+            self.pages[(ns, tuple(key[:end]))] = page
+            self.hits[(ns, tuple(key[:end]))] = 0
+            self.owner[page[0]] = (ns, tuple(key[:end]))
         self.caller_freed.extend(slots[:cached].tolist() + slots[aligned:].tolist())
-        self.touch(key, aligned)
+        self.touch(ns, key, aligned)
 
-    @rule(key=tokens)
-    def match(self, key: list[int]) -> None:
-        result = self.tree.match_prefix(key)
-        n, slots = self.expected_match(key)
+    def matched(self, key: list[int], ns: str) -> tuple[TreeNode, tuple[str, tuple[int, ...]]]:
+        result = self.tree.match_prefix(key, ns)
+        n, slots = self.expected_match(ns, key)
         assert result.slots.tolist() == slots
         assert path_len(result.node) == n
-        self.touch(key, n)
+        self.touch(ns, key, n)
+        return result.node, (ns, tuple(key[:n]))
 
-    @rule(key=tokens)
-    def lock(self, key: list[int]) -> None:
-        result = self.tree.match_prefix(key)
-        self.touch(key, len(result.slots))
-        self.tree.inc_lock_ref(result.node)
-        self.locks.append((result.node, tuple(key[: len(result.slots)])))
+    @rule(key=tokens, ns=NAMESPACES)
+    def match(self, key: list[int], ns: str) -> None:
+        self.matched(key, ns)
+
+    @rule(key=tokens, ns=NAMESPACES)
+    def hit(self, key: list[int], ns: str) -> None:
+        node, (ns, prefix) = self.matched(key, ns)
+        self.tree.record_hit(node)
+        for end in range(self.p, len(prefix) + 1, self.p):
+            self.hits[(ns, prefix[:end])] += 1
+
+    @rule(key=tokens, ns=NAMESPACES)
+    def lock(self, key: list[int], ns: str) -> None:
+        node, page = self.matched(key, ns)
+        self.tree.inc_lock_ref(node)
+        self.locks.append((node, page))
 
     @precondition(lambda self: self.locks)
     @rule(index=st.integers(0, 100))
     def unlock(self, index: int) -> None:
         node, _ = self.locks.pop(index % len(self.locks))
         self.tree.dec_lock_ref(node)
+
+    @rule(key=tokens, ns=NAMESPACES)
+    def pin(self, key: list[int], ns: str) -> None:
+        node, page = self.matched(key, ns)
+        self.tree.pin(node)
+        self.pins.append((node, page))
+
+    @precondition(lambda self: self.pins)
+    @rule(index=st.integers(0, 100))
+    def unpin(self, index: int) -> None:
+        node, _ = self.pins.pop(index % len(self.pins))
+        self.tree.unpin(node)
 
     @rule(num_tokens=st.integers(0, 24))
     def evict(self, num_tokens: int) -> None:
@@ -433,28 +544,33 @@ class RadixModel(RuleBasedStateMachine):
         new = self.pool.freed[n_freed:]
         assert freed == sum(len(arr) for arr in new)
         assert freed >= num_tokens if evictable >= num_tokens else freed == evictable
-        newest_evicted = 0
+        held = self.held_pages(self.locks + self.pins)
+        worst_evicted: tuple[int, ...] | None = None
         for arr in new:
             assert len(arr) % self.p == 0
             for start in range(0, len(arr), self.p):
-                prefix = self.owner.pop(int(arr[start]))
-                assert self.pages.pop(prefix) == tuple(arr[start : start + self.p].tolist())
-                newest_evicted = max(newest_evicted, self.access.pop(prefix))
-        for prefix in self.pages:  # only leaves went: what is left is prefix-closed
-            assert len(prefix) == self.p or prefix[: -self.p] in self.pages
-        # LRU: nothing evicted was touched after a leaf that could have gone instead.
-        locked = self.locked_pages()
-        parents = {prefix[: -self.p] for prefix in self.pages}
-        for prefix in self.pages:
-            if prefix not in parents and prefix not in locked:
-                assert self.access[prefix] >= newest_evicted
-        for _, prefix in self.locks:
-            assert not prefix or prefix in self.pages
+                page = self.owner.pop(int(arr[start]))
+                assert page not in held
+                assert self.pages.pop(page) == tuple(arr[start : start + self.p].tolist())
+                prio = self.priority(page)
+                worst_evicted = prio if worst_evicted is None else max(worst_evicted, prio)
+                del self.access[page], self.hits[page]
+        for ns, prefix in self.pages:  # only leaves went: what is left is prefix-closed
+            assert len(prefix) == self.p or (ns, prefix[: -self.p]) in self.pages
+        # The policy's order: nothing evicted outranks a leaf that could have gone instead
+        # (a parent never ranks below its children: a touch or hit covers the whole path).
+        parents = {(ns, prefix[: -self.p]) for ns, prefix in self.pages}
+        if worst_evicted is not None:
+            for page in self.pages:
+                if page not in parents and page not in held:
+                    assert self.priority(page) >= worst_evicted
+        for _, page in self.locks + self.pins:
+            assert not page[1] or page in self.pages
 
-    def locked_pages(self) -> set[tuple[int, ...]]:
+    def held_pages(self, holders: list[tuple[TreeNode, tuple[str, tuple[int, ...]]]]) -> set:
         return {
-            prefix[:end]
-            for _, prefix in self.locks
+            (ns, prefix[:end])
+            for _, (ns, prefix) in holders
             for end in range(self.p, len(prefix) + 1, self.p)
         }
 
@@ -463,10 +579,12 @@ class RadixModel(RuleBasedStateMachine):
         if not hasattr(self, "tree"):
             return
         self.tree.check_invariants()
-        assert self.tree.protected_size() == self.p * len(self.locked_pages())
+        assert self.tree.protected_size() == self.p * len(self.held_pages(self.locks + self.pins))
+        assert self.tree.pinned_size() == self.p * len(self.held_pages(self.pins))
         assert self.tree.total_size() == self.p * len(self.pages)
         assert self.tree.evictable_size() + self.tree.protected_size() == self.tree.total_size()
-        # Nothing lost, nothing freed twice: every slot is in exactly one place.
+        # Nothing lost, nothing freed twice: every slot is in exactly one place (so two
+        # namespaces never share one).
         accounted = self.caller_freed + self.pool.freed_slots() + self.tree.all_slots().tolist()
         assert sorted(accounted) == sorted(self.given)
 
@@ -475,7 +593,9 @@ class RadixModel(RuleBasedStateMachine):
             return
         for node, _ in self.locks:
             self.tree.dec_lock_ref(node)
-        assert self.tree.protected_size() == 0
+        for node, _ in self.pins:
+            self.tree.unpin(node)
+        assert self.tree.protected_size() == 0 and self.tree.pinned_size() == 0
         self.tree.evict(self.tree.total_size())
         assert self.tree.total_size() == 0 and not self.tree.root.children
 

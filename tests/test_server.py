@@ -74,6 +74,79 @@ def test_chat_completion_and_cached_tokens(server, client, tokenizer) -> None:
     assert second.usage.prompt_tokens_details.cached_tokens == shared
 
 
+def test_cache_salt_isolates_tenants(server, client, tokenizer) -> None:
+    """Requests share cached prefixes only with requests of the same salt (``cache_salt`` on
+    the OpenAI routes, ``extra_key`` on /generate); no salt is a namespace of its own."""
+    assert httpx.post(server.base_url + "/flush_cache").status_code == 200
+    page_size = server_info(server)["model_info"]["page_size"]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is Bergen?"}]
+    ids = chat_prompt_ids(tokenizer, msgs)
+    full = (len(ids) - 1) // page_size * page_size
+
+    def chat(salt: str | None) -> int:
+        extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt is not None else {})
+        out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0,
+                                             extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    def native(key: str | None) -> int:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}} | ({"extra_key": key} if key else {})
+        r = httpx.post(server.base_url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    assert chat("tenant-a") == 0
+    assert chat("tenant-b") == 0  # the same prompt, another tenant: nothing of a's is visible
+    assert chat(None) == 0
+    assert native("tenant-c") == 0
+    assert chat("tenant-a") == chat("tenant-b") == chat(None) == full
+    assert native("tenant-a") == native("tenant-c") == native(None) == full
+    prompt = tokenizer.decode(ids)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-d"})
+    assert out.usage.prompt_tokens_details is None or not out.usage.prompt_tokens_details.cached_tokens
+
+    base = {"model": "tiny", "messages": msgs, "max_tokens": 1}
+    for bad, param in (({"cache_salt": ""}, "cache_salt"), ({"cache_salt": 7}, "cache_salt"),
+                       ({"priority": "high"}, "priority"), ({"priority": 2**40}, "priority")):
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=base | bad, timeout=30)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == param
+    r = httpx.post(server.base_url + "/generate", json={"text": ["a", "b"], "extra_key": ["x"]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "extra_key"
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=base | {"priority": 3}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_cache_pin_and_unpin(server, client) -> None:
+    url = server.base_url
+    assert httpx.post(url + "/flush_cache").status_code == 200
+    msgs = [{"role": "system", "content": SYSTEM}]
+    r = httpx.post(url + "/cache/pin", json={"messages": msgs, "ttl": 300}, timeout=60)
+    assert r.status_code == 200, r.text
+    pin = r.json()
+    assert pin["success"] and pin["tokens"] > 40 and 0 < pin["expires_in"] <= 300
+    listed = server_info(server)["pins"]
+    assert [p["pin_id"] for p in listed["pins"]] == [pin["pin_id"]] and listed["pinned_tokens"] == pin["tokens"]
+    # A chat with that system prompt is served the pinned prefix from the tree.
+    out = client.chat.completions.create(model="tiny", messages=msgs + [{"role": "user", "content": "Hi"}],
+                                         max_tokens=1)
+    assert out.usage.prompt_tokens_details.cached_tokens >= pin["tokens"] - 16
+    for body, status, param in (({"text": "a", "input_ids": [1, 2]}, 400, "text"), ({}, 400, "text"),
+                                ({"text": "hello", "ttl": 0}, 400, "ttl"),
+                                ({"text": "hello", "pin_id": "pin-1"}, 400, "pin_id")):
+        r = httpx.post(url + "/cache/pin", json=body, timeout=30)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(url + "/cache/unpin", json={"pin_id": pin["pin_id"]}, timeout=30)
+    assert r.status_code == 200 and r.json()["unpinned"] == [pin["pin_id"]]
+    r = httpx.post(url + "/cache/unpin", json={"pin_id": pin["pin_id"]}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "pin_id"
+    # By content: the same messages pinned again, then unpinned by them.
+    assert httpx.post(url + "/cache/pin", json={"messages": msgs}, timeout=60).status_code == 200
+    r = httpx.post(url + "/cache/unpin", json={"messages": msgs}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["unpinned"]) == 1
+    assert server_info(server)["pins"]["pins"] == []
+
+
 def test_chat_stream_is_well_formed(client) -> None:
     stream = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,

@@ -160,7 +160,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
 
     def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
-        return [st.stream(ids, p, stream=stream, logprob=body.logprobs, top_n=top_n) for p in choice_params]
+        return [st.stream(ids, p, stream=stream, logprob=body.logprobs, top_n=top_n, hints=body.hints())
+                for p in choice_params]
 
     if not body.stream:
         results = await asyncio.gather(*[collect(s, request) for s in streams(False)])

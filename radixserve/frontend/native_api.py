@@ -22,7 +22,7 @@ from radixserve.frontend.openai_common import SSE_DONE, guarded_stream
 from radixserve.frontend.protocol import AbortRequest, ApplyChatTemplateRequest, GenerateRequest
 from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect
-from radixserve.frontend.tokenizer_manager import RequestError
+from radixserve.frontend.tokenizer_manager import InvalidRequestError, RequestError, SchedulingHints
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -50,6 +50,13 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         raise APIError(f"{len(sps)} sampling_params for {n} prompts", 400, param="sampling_params")
     lp = LogprobRequest(body.return_logprob, body.top_logprobs_num, body.logprob_start_len,
                         body.return_text_in_logprobs)
+    keys = body.extra_key if isinstance(body.extra_key, list) else [body.extra_key] * n
+    if len(keys) != n:
+        raise APIError(f"{len(keys)} extra_key values for {n} prompts", 400, param="extra_key")
+    try:
+        hints = [SchedulingHints(k or "", body.priority or 0) for k in keys]
+    except InvalidRequestError as e:
+        raise APIError(str(e), 400, param="extra_key") from None
     prepared = []
     for i in range(n):
         try:
@@ -61,16 +68,17 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 e.message = f"request {i}: {e.message}"
             raise
 
-    def pieces(ids: list[int], params: Any, stream: bool, rid: str | None) -> AsyncIterator[dict[str, Any]]:
+    def pieces(i: int, stream: bool, rid: str | None) -> AsyncIterator[dict[str, Any]]:
+        ids, params = prepared[i]
         return st.stream(ids, params, stream=stream, logprob=lp.return_logprob, top_n=lp.top_logprobs_num,
-                         rid=rid, logprob_start_len=lp.scheduler_start(len(ids)))
+                         rid=rid, logprob_start_len=lp.scheduler_start(len(ids)), hints=hints[i])
 
     if body.stream:
         if batched:
             raise APIError("stream=true takes a single prompt", 400, param="stream")
-        ids, params = prepared[0]
+        ids, _ = prepared[0]
         out = NativeOutput(ids, lp, st.tokenizer)
-        it = pieces(ids, params, True, body.rid).__aiter__()
+        it = pieces(0, True, body.rid).__aiter__()
         out.add(await it.__anext__())  # errors answer with their status before streaming
 
         async def rest() -> AsyncIterator[bytes]:
@@ -85,7 +93,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
         return StreamingResponse(guarded_stream(_event(out.result()), rest()), media_type="text/event-stream")
     results = await asyncio.gather(*[
-        collect(pieces(ids, params, False, None if batched else body.rid), request) for ids, params in prepared
+        collect(pieces(i, False, None if batched else body.rid), request) for i in range(n)
     ])
     outs = []
     for (ids, _), result in zip(prepared, results, strict=True):
@@ -122,6 +130,7 @@ async def server_info(request: Request) -> JSONBytesResponse:
     st = _state(request)
     stats = await st.tm.control("stats")
     memory = await st.tm.control("check_memory")
+    pins = await st.tm.control("pins")
     args = st.args.to_dict()
     args.pop("api_key", None)
     return JSONBytesResponse({
@@ -131,6 +140,7 @@ async def server_info(request: Request) -> JSONBytesResponse:
         "model_info": st.info,
         "stats": stats,
         "memory": memory,
+        "pins": pins,
         "pids": {"server": os.getpid(), **st.pids},
     })
 

@@ -93,7 +93,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
         return [st.stream(ids, p, stream=stream, logprob=want_lp, top_n=top_n,
-                          logprob_start_len=0 if echo_lp else -1) for ids, p in jobs]
+                          logprob_start_len=0 if echo_lp else -1, hints=body.hints()) for ids, p in jobs]
 
     def prompt_logprobs(i: int, piece: dict[str, Any]) -> dict[str, Any] | None:
         """Choice i's prompt part (echo + logprobs), from the piece that carries it."""

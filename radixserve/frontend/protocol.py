@@ -41,6 +41,11 @@ from radixserve.frontend.response_format import (
     JSONSchemaFormat,
     ResponseFormat,
 )
+from radixserve.frontend.tokenizer_manager import (
+    MAX_EXTRA_KEY_CHARS,
+    PRIORITY_LIMIT,
+    SchedulingHints,
+)
 from radixserve.sampling.params import sampling_params_json_schema
 
 __all__ = [
@@ -103,6 +108,9 @@ class _SamplingFields(RequestBody):
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     no_stop_trim: StrictBool | None = None  # keep the matched stop string in the output
+    # Cache namespace (vLLM's name): prefixes are shared only with requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_EXTRA_KEY_CHARS)
+    priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
     # Constrained decoding: at most one of response_format (other than text), regex, ebnf,
     # json_schema.  regex and ebnf use xgrammar's dialects; the grammar backend checks them.
     response_format: ResponseFormat | None = None
@@ -187,6 +195,10 @@ class _SamplingFields(RequestBody):
         if self.ebnf is not None:
             return {"ebnf": self.ebnf}
         return {}
+
+    def hints(self) -> SchedulingHints:
+        """The cache namespace and priority level of this request."""
+        return SchedulingHints(self.cache_salt or "", self.priority or 0)
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling_params for this body (None values mean "default")."""
@@ -402,6 +414,9 @@ class GenerateRequest(RequestBody):
     logprob_start_len: Int64 = -1
     return_text_in_logprobs: StrictBool = False  # each logprob entry carries its token's text
     rid: str | None = None
+    # Cache namespace (one, or one per prompt of a batch); what cache_salt is on /v1 routes.
+    extra_key: str | list[str | None] | None = None
+    priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
@@ -435,6 +450,30 @@ class ApplyChatTemplateRequest(RequestBody):
     @model_validator(mode="after")
     def _check(self) -> ApplyChatTemplateRequest:
         _check_continue_final(self)
+        return self
+
+
+class CachePinRequest(RequestBody):
+    """``/cache/pin`` and ``/cache/unpin``: a prefix as ``text``, ``input_ids`` or chat
+    ``messages`` (rendered by the chat template, without the generation prompt unless asked),
+    in a cache namespace (``cache_salt``); ``/cache/unpin`` also takes a ``pin_id``."""
+
+    text: str | None = Field(None, min_length=1)
+    input_ids: list[StrictInt] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_EXTRA_KEY_CHARS)
+    ttl: float | None = Field(None, gt=0, lt=1e9, allow_inf_nan=False)  # seconds; pin only
+    pin_id: str | None = Field(None, min_length=1)  # unpin only
+
+    @model_validator(mode="after")
+    def _check(self) -> CachePinRequest:
+        given = [n for n in ("text", "input_ids", "messages") if getattr(self, n) is not None]
+        if len(given) > 1 or (not given and self.pin_id is None):
+            raise reject("text", "give exactly one of text, input_ids and messages (or pin_id to unpin)")
+        if given and self.pin_id is not None:
+            raise reject("pin_id", "give pin_id alone, or the prefix alone")
         return self
 
 

@@ -18,7 +18,7 @@ from fastapi import Request
 from radixserve.config import ServerArgs
 from radixserve.frontend.errors import APIError, ClientGone
 from radixserve.frontend.metrics import Metrics
-from radixserve.frontend.tokenizer_manager import TokenizerManager
+from radixserve.frontend.tokenizer_manager import SchedulingHints, TokenizerManager
 from radixserve.sampling import SamplingParams
 
 logger = logging.getLogger("radixserve.requests")
@@ -117,14 +117,15 @@ class ServerState:
 
     async def stream(self, ids: list[int], params: SamplingParams, *, stream: bool,
                      logprob: bool = False, top_n: int = 0, rid: str | None = None,
-                     logprob_start_len: int = -1) -> AsyncIterator[dict[str, Any]]:
+                     logprob_start_len: int = -1,
+                     hints: SchedulingHints | None = None) -> AsyncIterator[dict[str, Any]]:
         """The request's pieces, with metrics and the per-request log line."""
         rid = rid or uuid.uuid4().hex
         t0 = time.perf_counter()
         last = None
         ttft = None
         async for piece in self.tm.generate(ids, params, stream, logprob, top_n, rid=rid,
-                                            logprob_start_len=logprob_start_len):
+                                            logprob_start_len=logprob_start_len, hints=hints):
             now = time.perf_counter()
             n = len(piece["output_ids"])
             if n and ttft is None:

@@ -7,6 +7,7 @@ request has a queue fed by the receive task; exactly one terminal item ends it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -39,6 +40,37 @@ class InvalidRequestError(RequestError, ValueError):
 
 def request_error(message: str, status: int) -> RequestError:
     return InvalidRequestError(message, status) if status == 400 else RequestError(message, status)
+
+
+MAX_EXTRA_KEY_CHARS = 1024
+PRIORITY_LIMIT = 2**31  # |priority| below this
+
+
+@dataclass(frozen=True)
+class SchedulingHints:
+    """How the scheduler treats a request beyond its prompt and sampling.
+
+    ``extra_key``: the cache namespace (OpenAI extension ``cache_salt``, native ``extra_key``):
+    cached prefixes are shared only between requests with the same key; "" (none) is a
+    namespace of its own.  ``priority``: the level used by ``--schedule-policy priority``.
+    ``pin``: pin the prompt's cached path when the request finishes (``POST /cache/pin``), for
+    ``pin_ttl`` seconds (None: until unpinned).
+    """
+
+    extra_key: str = ""
+    priority: int = 0
+    pin: bool = False
+    pin_ttl: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.extra_key, str) or len(self.extra_key) > MAX_EXTRA_KEY_CHARS:
+            raise InvalidRequestError(f"cache_salt / extra_key must be a string of at most "
+                                      f"{MAX_EXTRA_KEY_CHARS} characters", 400)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or abs(self.priority) >= PRIORITY_LIMIT:
+            raise InvalidRequestError(f"priority must be an integer with |priority| < 2**31, got {self.priority!r}",
+                                      400)
+        if self.pin_ttl is not None and not (isinstance(self.pin_ttl, (int, float)) and 0 < self.pin_ttl < 1e9):
+            raise InvalidRequestError(f"ttl must be a positive number of seconds, got {self.pin_ttl!r}", 400)
 
 
 # A stream whose consumer leaves more pieces than this unread is "behind"; behind for longer
@@ -129,6 +161,7 @@ class TokenizerManager:
         top_logprobs_num: int = 0,
         rid: str | None = None,
         logprob_start_len: int = -1,
+        hints: SchedulingHints | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield ``{"text", "output_ids", "meta_info", "finished"}`` pieces (deltas).
 
@@ -136,8 +169,10 @@ class TokenizerManager:
         tokens, and with ``logprob_start_len >= 0`` the first one also ``input_logprobs`` /
         ``input_top_logprobs`` (prompt positions ``[logprob_start_len, prompt_len)``, None at
         position 0).  ``input_ids`` and ``logprob_start_len`` come checked from :meth:`prepare`.
+        ``hints``: the cache namespace and priority level.
         Cancelling the consumer (client gone) aborts the request in the scheduler.
         """
+        hints = hints or SchedulingHints()
         if self.dead_reason:
             raise RequestError(self.dead_reason, 503)
         key = uuid.uuid4().hex
@@ -156,6 +191,10 @@ class TokenizerManager:
             top_logprobs_num=top_logprobs_num,
             stream=stream,
             logprob_start_len=logprob_start_len,
+            extra_key=hints.extra_key,
+            priority=hints.priority,
+            pin=hints.pin,
+            pin_ttl=None if hints.pin_ttl is None else float(hints.pin_ttl),
         )
         finished = False  # the scheduler sent this request's terminal row
         try:
@@ -183,14 +222,26 @@ class TokenizerManager:
         await self.send_sock.send(m.encode(m.AbortReq(rid=key)))
         return True
 
-    async def control(self, command: str, timeout: float = 30.0) -> dict[str, Any]:
+    async def pin(self, ids: list[int], hints: SchedulingHints) -> dict[str, Any]:
+        """Compute the prompt (prefill only, cached) and pin its cached path: the pin's
+        description (``pin_id``, ``tokens``, ``expires_in``); InvalidRequestError when refused."""
+        params = SamplingParams.from_dict({"max_new_tokens": 0})
+        meta: dict[str, Any] = {}
+        async for piece in self.generate(ids, params, hints=dataclasses.replace(hints, pin=True)):
+            meta = piece["meta_info"]
+        result = meta.get("pin") or {"error": "the scheduler did not pin the prompt"}
+        if "error" in result:
+            raise InvalidRequestError(result["error"], 400)
+        return result
+
+    async def control(self, command: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
         if self.dead_reason:
             raise RequestError(self.dead_reason, 503)
         cid = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[cid] = fut
         try:
-            await self.send_sock.send(m.encode(m.ControlReq(cid=cid, command=command)))
+            await self.send_sock.send(m.encode(m.ControlReq(cid=cid, command=command, args=args)))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.control_waiters.pop(cid, None)

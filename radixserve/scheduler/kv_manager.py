@@ -60,7 +60,7 @@ class KVManager:
 
     def match(self, req: Req) -> tuple[np.ndarray, object]:
         """Longest cached prefix of ``fill_ids[:match_limit(req)]`` (page aligned)."""
-        result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)))
+        result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.extra_key)
         return result.slots, result.node
 
     def admit(self, req: Req) -> bool:
@@ -77,6 +77,8 @@ class KVManager:
         req.kv_len = req.tree_len = req.alloc_len = n
         req.last_node = node
         self.tree.inc_lock_ref(node)
+        if n and req.num_retractions == 0:  # a retracted request re-reading its own prefix is no hit
+            self.tree.record_hit(node)
         return True
 
     def ensure_slots(self, req: Req, n: int) -> bool:
@@ -129,7 +131,7 @@ class KVManager:
         if self.tree.disable or aligned <= req.tree_len:
             return req.tree_len
         row_slots = self.req_pool.table[req.row, : req.kv_len].numpy().astype(np.int64)
-        present = self.tree.insert(req.tokens(0, req.kv_len), row_slots)
+        present = self.tree.insert(req.tokens(0, req.kv_len), row_slots, req.extra_key)
         if present > req.tree_len:
             self.allocator.free_slots(row_slots[req.tree_len : present])
         return aligned
@@ -139,7 +141,7 @@ class KVManager:
         aligned = self._insert(req)
         if aligned == req.tree_len:
             return
-        result = self.tree.match_prefix(req.tokens(0, aligned))
+        result = self.tree.match_prefix(req.tokens(0, aligned), req.extra_key)
         if len(result.slots) != aligned:
             raise RuntimeError(f"tree lost a just-inserted prefix of {req!r}")
         # Row [0, aligned): the tree's slots (ours in [tree_len, present) were just freed).
@@ -183,11 +185,12 @@ class KVManager:
             "tree_pages": tree_pages,
             "request_pages": req_pages,
             "total_pages": total,
-            "locked_tokens": self.tree.protected_size(),
+            "locked_tokens": self.tree.protected_size() - self.tree.pinned_size(),  # held by requests
+            "pinned_tokens": self.tree.pinned_size(),
         }
         if free + tree_pages + req_pages != total:
             raise RuntimeError(f"KV page leak: {report}")
-        if idle and self.tree.protected_size() != 0:
+        if idle and self.tree.protected_size() != self.tree.pinned_size():
             raise RuntimeError(f"tree locks left while idle: {report}")
         if idle and self.req_pool.num_free != self.req_pool.max_requests:
             raise RuntimeError("request rows left allocated while idle")

@@ -34,6 +34,12 @@ def _handle(sched: Any, msg: Any, send: zmq.Socket) -> None:
                 result = {"ok": True, **sched.check_memory()}
             except RuntimeError as e:
                 result = {"ok": False, "error": str(e)}
+        elif msg.command == "pins":
+            result = {"pins": sched.pins.listing(), "pinned_tokens": sched.tree.pinned_size(),
+                      "cap_tokens": sched.pins.cap_tokens}
+        elif msg.command == "unpin":
+            result = {"unpinned": sched.pins.unpin(msg.args.get("pin_id"), msg.args.get("input_ids"),
+                                                   msg.args.get("extra_key") or "")}
         elif msg.command in ("start_profile", "stop_profile"):
             try:
                 result = sched.start_profile() if msg.command == "start_profile" else sched.stop_profile()

@@ -62,6 +62,8 @@ class Req:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        extra_key: str = "",
+        priority: int = 0,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -72,6 +74,12 @@ class Req:
         # Set when the request asks for prompt logprobs (scheduler/prompt_logprobs.py).
         self.prompt_logprobs: PromptLogprobs | None = None
         self.stream = stream
+        # The cache namespace (``cache_salt``): prefixes are shared only within one.
+        self.extra_key = extra_key
+        self.priority = priority  # the ``priority`` policy's level (see scheduler/policy.py)
+        self.pin = False  # pin the cached prompt when finished (scheduler/pins.py)
+        self.pin_ttl: float | None = None
+        self.pin_result: dict[str, Any] | None = None
         self.output_ids: list[int] = []
         # prompt + output ids in one growable int64 buffer: tree keys and model inputs are
         # views of it (no list concatenation per step); see ``tokens`` / ``append_output``.

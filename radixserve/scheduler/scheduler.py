@@ -19,10 +19,11 @@ from radixserve.messages import ErrorOut, GenerateReq, TokenOut
 from radixserve.sampling import SamplingParams
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
 from radixserve.scheduler.constraints import Constraints
-from radixserve.scheduler.decode import reserve_decode_slots
+from radixserve.scheduler.decode import reserve_decode_slots, retract
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.model_runner import ModelRunner
-from radixserve.scheduler.policy import order_waiting
+from radixserve.scheduler.pins import Pins
+from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.profiling import StepProfiler
 from radixserve.scheduler.prompt_logprobs import PromptLogprobs, attach_prompt_logprobs
 from radixserve.scheduler.request import FinishReason, Req, ReqState
@@ -72,8 +73,13 @@ class Scheduler:
 
         self.allocator = PageAllocator(num_pages, self.page_size)
         self.req_pool = ReqToTokenPool(self.max_running, self.context_len + self.page_size, self.device)
-        self.tree = RadixCache(self.page_size, self.allocator.free_slots, disable=args.disable_radix_cache)
+        self.tree = RadixCache(self.page_size, self.allocator.free_slots, disable=args.disable_radix_cache,
+                               eviction_policy=args.radix_eviction_policy)
         self.kv = KVManager(self.allocator, self.req_pool, self.tree)
+        self.pins = Pins(self.tree, int(args.max_pinned_fraction * self.pool_tokens))
+        self.policy = SchedulePolicy(args.schedule_policy, args.schedule_policy_max_queue, seed=args.random_seed,
+                                     low_priority_values_first=args.schedule_low_priority_values_first,
+                                     preemption=args.priority_preemption)
         kv_pool = KVPool(self.allocator.num_slots, layers, kv_heads, head_dim, self.dtype, self.device)
         self.runner = ModelRunner(
             model, self.vocab_size, kv_pool, self.req_pool, args.attention_backend, self.device
@@ -134,7 +140,9 @@ class Scheduler:
                 message=f"the request queue is full ({limit} waiting); retry later",
                 status=503,
             )
-        req = Req(msg.rid, ids, params, msg.seed, msg.return_logprob, msg.top_logprobs_num, msg.stream)
+        req = Req(msg.rid, ids, params, msg.seed, msg.return_logprob, msg.top_logprobs_num, msg.stream,
+                  extra_key=msg.extra_key, priority=msg.priority)
+        req.pin, req.pin_ttl = msg.pin, msg.pin_ttl
         req.prompt_logprobs = prompt_lp
         try:
             self.constraints.on_arrival(req)
@@ -218,6 +226,8 @@ class Scheduler:
         self._step_counter += 1
         finished: list[Req] = list(self._aborted)
         self._aborted.clear()
+        if len(self.pins):
+            self.pins.expire()
 
         prefilling = [self.chunked] if self.chunked is not None else []
         retracted, out_of_memory = reserve_decode_slots(self.running, prefilling, self.kv)
@@ -235,6 +245,8 @@ class Scheduler:
         for req in out_of_memory:
             self.running.remove(req)
             self._finish(req, finished)
+        if self.policy.preemption:
+            self._preempt_for_priority()
 
         decodes = list(self.running)
         plan = self._plan_prefill(len(decodes))
@@ -253,6 +265,20 @@ class Scheduler:
             self.stats.record_step(len(entries), not plan, step_s, self._last_forward_s)
         return out
 
+    def _preempt_for_priority(self) -> None:
+        """``--priority-preemption``: retract lower-priority running requests so that the
+        highest-priority waiting one is admitted in this step."""
+        victims = self.policy.preemption_victims(self.running, self._admissible(), self.kv,
+                                                 self.max_running, self.new_token_ratio)
+        for req in victims:
+            self.running.remove(req)
+            retract(req, self.kv)
+            self.waiting.appendleft(req)  # ahead of later arrivals of its level
+        if victims:
+            self.stats.retractions += len(victims)
+            self.stats.priority_preemptions += len(victims)
+            logger.info("retracted %d lower-priority request(s) for a waiting one", len(victims))
+
     def _plan_prefill(self, num_decodes: int) -> list[tuple[Req, int]]:
         if not self.waiting and self.chunked is None:
             return []
@@ -268,7 +294,7 @@ class Scheduler:
             if not adder.add_chunked(self.chunked) or adder.chunked is not None:
                 return adder.plan.entries
         admitted: set[int] = set()
-        for req in order_waiting(self._admissible(), self.args.schedule_policy, self.kv):
+        for req in self.policy.order(self._admissible(), self.kv):
             verdict = adder.add_waiting(req)
             if verdict == "stop":
                 break
@@ -304,7 +330,8 @@ class Scheduler:
             # Masked in place: a copy of the sampling rows, or the logits themselves when every
             # row samples (a decode step; nothing reads them after sampling).
             sample_logits = logits if len(sample_idx) == len(entries) else logits[sample_idx]
-            self.constraints.mask_logits(sample_logits, sample_reqs)
+            with torch.inference_mode():  # the logits are an inference tensor: masked in place
+                self.constraints.mask_logits(sample_logits, sample_reqs)
             out = self.runner.sample(sample_logits, sample_reqs)
         self._last_forward_s = time.perf_counter() - t0
 
@@ -380,6 +407,8 @@ class Scheduler:
 
     def _finish(self, req: Req, finished: list[Req]) -> None:
         self.kv.release(req, cache=True)
+        if req.pin:  # its prompt is in the tree now, and nothing ran in between
+            req.pin_result = self.pins.pin(req.tokens(0, req.prompt_len), req.extra_key, req.pin_ttl)
         req.state = ReqState.FINISHED
         self.stats.requests_finished += 1
         finished.append(req)
@@ -410,6 +439,7 @@ class Scheduler:
                     # several at once (non-streaming requests, stream_interval > 1).
                     "since_first_token": now - req.first_token_time if req.first_token_time else 0.0,
                 }
+                | ({"pin": req.pin_result} if req.pin_result is not None else {})
             )
             if req.sent_init:
                 out.init.append(None)
@@ -445,6 +475,7 @@ class Scheduler:
             return False
         self.tree.reset()
         self.allocator.reset()
+        self.pins.clear()
         return True
 
     def start_profile(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ class SchedulerStats:
     decode_steps: int = 0  # forwards that carried at least one decode row
     mixed_steps: int = 0  # forwards that carried decode and prefill rows together
     retractions: int = 0
+    priority_preemptions: int = 0  # retractions of lower-priority requests (--priority-preemption)
     evicted_tokens: int = 0
     forward_seconds: float = 0.0  # model forward + sampling
     step_seconds: float = 0.0  # whole steps (forward included)
