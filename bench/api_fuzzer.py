@@ -43,6 +43,7 @@ BASES: dict[str, dict[str, Any]] = {
     "POST /generate": {"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
     "POST /abort_request": {"rid": "fuzz"},
     "POST /apply_chat_template": {"messages": [{"role": "user", "content": "Hi"}]},
+    "POST /cache/pin": {"text": "Hi", "ttl": 1},  # pins that expire: the fuzzing leaves none
 }
 # Fields that replace others of the base request: (route, field) -> base fields dropped.
 REPLACES = {("POST /generate", "input_ids"): ("text",)}

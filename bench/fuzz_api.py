@@ -42,6 +42,7 @@ ROUTE_WEIGHTS = {
     "POST /generate": 3,
     "POST /abort_request": 1,
     "POST /apply_chat_template": 1,
+    "POST /cache/pin": 1,
 }
 SERVER_FLAGS = ("--max-total-tokens", "8192", "--context-length", "256")
 # One torch thread: the tiny model gains nothing from more, and on a shared machine a second
