@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 server = tiny_chat_server("--max-total-tokens", "8000", "--context-length", "2048")
 memory_invariant = memory_checked_after_each_test("server")
 
-LONG = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}
+LONG = {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}  # seconds of decoding
 
 
 async def _wait_running(base: str, client: httpx.AsyncClient, n: int) -> None:
@@ -195,7 +195,7 @@ def test_engine_refuses_a_prompt_with_a_lone_surrogate(tiny_chat_model) -> None:
 
 def test_client_leaving_a_non_streaming_request_is_logged_as_such(server) -> None:
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/generate", json={"text": "Hello", "sampling_params": LONG}, timeout=1.5)
+        httpx.post(server.base_url + "/generate", json={"text": "Hello", "sampling_params": LONG}, timeout=0.5)
     wait_idle(server)
     log = server.log()
     assert "/generate: the client disconnected; its request was aborted" in log

@@ -1,0 +1,34 @@
+"""bench/cache_pressure.py in its quick mode: the report's shape and the counts that do not
+depend on timing."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_quick_cache_pressure_report(tmp_path, default_model_path) -> None:
+    from bench.cache_pressure import EVICTION_POLICIES, SCHEDULE_POLICIES, main
+
+    out = tmp_path / "cache_pressure.json"
+    report = main(["--quick", "--dtype", "float32", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    params = report["params"]
+    hot = {r["policy"]: r for r in report["results"] if r["scenario"] == "hot-prefix"}
+    assert set(hot) == set(EVICTION_POLICIES)
+    for r in hot.values():
+        assert len(r["agent_cached_tokens"]) == params["rounds"]
+        assert 0.0 <= r["agent_hit_rate"] <= 1.0 and r["evicted_tokens"] > 0
+    # Requests run one at a time, so the hits are the policies' own: each burst of one-off
+    # prompts pushes the system prompt out under lru; slru and lfu keep it, as the warm-up
+    # agents reused it.
+    assert all(c == 0 for c in hot["lru"]["agent_cached_tokens"])
+    for policy in ("slru", "lfu"):
+        assert all(c >= params["system_len"] for c in hot[policy]["agent_cached_tokens"]), policy
+    grp = {r["policy"]: r for r in report["results"] if r["scenario"] == "groups"}
+    assert set(grp) == set(SCHEDULE_POLICIES)
+    unique = params["groups"] * params["group_system_len"] + params["groups"] * params["per_group"] * params["question_len"]
+    for r in grp.values():
+        assert r["unique_tokens"] == unique and r["prefill_computed"] >= unique
+    targets = {t["target"]: t for t in report["targets"]}
+    assert targets["hot-prefix slru agent hit rate >="]["value"] == hot["slru"]["agent_hit_rate"]
+    assert targets["hot-prefix lru agent hit rate <="]["value"] == hot["lru"]["agent_hit_rate"]
