@@ -127,6 +127,8 @@ def test_cache_pin_and_unpin(server, client) -> None:
     assert pin["success"] and pin["tokens"] > 40 and 0 < pin["expires_in"] <= 300
     listed = server_info(server)["pins"]
     assert [p["pin_id"] for p in listed["pins"]] == [pin["pin_id"]] and listed["pinned_tokens"] == pin["tokens"]
+    page_size = server_info(server)["model_info"]["page_size"]
+    assert pin_metrics(server) == (1, pin["tokens"] // page_size)
     # A chat with that system prompt is served the pinned prefix from the tree.
     out = client.chat.completions.create(model="tiny", messages=msgs + [{"role": "user", "content": "Hi"}],
                                          max_tokens=1)
@@ -145,6 +147,16 @@ def test_cache_pin_and_unpin(server, client) -> None:
     r = httpx.post(url + "/cache/unpin", json={"messages": msgs}, timeout=30)
     assert r.status_code == 200 and len(r.json()["unpinned"]) == 1
     assert server_info(server)["pins"]["pins"] == []
+    assert pin_metrics(server) == (0, 0)
+
+
+def pin_metrics(server) -> tuple[float, float]:
+    """``radixserve:num_pins`` and ``radixserve:kv_pages_pinned`` from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics").text
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return values["radixserve:num_pins"], values["radixserve:kv_pages_pinned"]
 
 
 def test_chat_stream_is_well_formed(client) -> None:

@@ -27,6 +27,8 @@ class _SchedulerCollector(Collector):
             return
         for name, key, doc in (
             ("radixserve:num_retractions", "retractions", "requests retracted when KV memory ran out"),
+            ("radixserve:num_priority_preemptions", "priority_preemptions",
+             "running requests retracted for a waiting one of higher priority"),
             ("radixserve:evicted_tokens", "evicted_tokens", "tokens evicted from the radix tree"),
             ("radixserve:prefill_tokens_computed", "prefill_tokens_computed", "prompt tokens computed (not served from the cache)"),
         ):
@@ -37,6 +39,8 @@ class _SchedulerCollector(Collector):
             ("radixserve:num_queued_requests", s.get("waiting", 0), "requests waiting for admission"),
             ("radixserve:kv_pages_free", s.get("free_pages", 0), "free KV pages"),
             ("radixserve:kv_pages_cached", s.get("tree_tokens", 0) // page, "KV pages held by the radix tree"),
+            ("radixserve:kv_pages_pinned", s.get("pinned_tokens", 0) // page, "KV pages on pinned prefixes"),
+            ("radixserve:num_pins", s.get("num_pins", 0), "live pins (POST /cache/pin)"),
             ("radixserve:kv_pages_used", s.get("total_pages", 0) - s.get("free_pages", 0), "KV pages in use (tree or requests)"),
             ("radixserve:kv_pages_total", s.get("total_pages", 0), "KV pages in the pool"),
             ("radixserve:cache_hit_rate", s.get("cache_hit_rate", 0.0), "cached / prompt tokens since start"),

@@ -495,6 +495,8 @@ class Scheduler:
             total_pages=self.allocator.num_pages,
             tree_tokens=self.tree.total_size(),
             evictable_tokens=self.tree.evictable_size(),
+            pinned_tokens=self.tree.pinned_size(),
+            num_pins=len(self.pins),
             new_token_ratio=self.new_token_ratio,
         )
         d.update(self.constraints.stats())
