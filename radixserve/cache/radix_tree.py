@@ -370,14 +370,6 @@ class RadixCache:
             walk = walk.parent
         self.dec_lock_ref(node)
 
-    def path_length(self, node: TreeNode) -> int:
-        """Tokens from the root to the end of ``node``."""
-        n = 0
-        while node.parent is not None:
-            n += len(node.value)
-            node = node.parent
-        return n
-
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` (if possible) from unlocked leaves in the policy's
         order; return tokens freed."""
