@@ -31,6 +31,13 @@ _HELP = {
     "priority_preemption": "priority policy: retract running requests of lower priority when a waiting one "
                            "cannot be admitted",
     "max_pinned_fraction": "share of the KV pool that pinned prefixes (POST /cache/pin) may hold",
+    "preemption_mode": "a request retracted when the KV pool is full: recompute its KV later, or swap it to the "
+                       "host tier and back",
+    "host_cache_size": "host KV tier in tokens: pages evicted from the pool wait there (default: none; with "
+                       "--preemption-mode swap: twice the pool)",
+    "disk_cache_dir": "disk KV tier folder: cached prefixes are written there and found again after a restart "
+                      "(default: none)",
+    "disk_cache_size": "disk KV tier size in tokens",
     "radix_eviction_policy": "prefix-cache eviction: lru, lfu, or slru (a prefix hit twice outlives one-off prompts)",
     "disable_radix_cache": "turn the prefix cache off",
     "context_length": "longest sequence (default: the model's max_position_embeddings)",

@@ -55,6 +55,10 @@ class ServerArgs:
     priority_preemption: bool = False  # priority policy: retract lower levels for a waiting request
     radix_eviction_policy: str = "lru"  # lru, lfu or slru (scan resistant)
     max_pinned_fraction: float = 0.5  # of the KV pool that pinned prefixes may hold
+    preemption_mode: str = "recompute"  # a retracted request's KV: recompute, or swap to the host tier
+    host_cache_size: int = 0  # host KV tier in tokens (0: none; swap mode without it: twice the pool)
+    disk_cache_dir: str | None = None  # disk KV tier folder (survives restarts); None: none
+    disk_cache_size: int = 1_000_000  # disk KV tier in tokens
     disable_radix_cache: bool = False
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
@@ -108,6 +112,13 @@ class ServerArgs:
             self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1
         ):
             raise ValueError("chunked_prefill_size must be -1 (off) or >= 1")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.host_cache_size < 0 or self.disk_cache_size < 1:
+            raise ValueError("host_cache_size must be >= 0 and disk_cache_size >= 1 (tokens)")
+        if self.disable_radix_cache and (self.host_cache_size or self.disk_cache_dir):
+            raise ValueError("host and disk KV tiers hold the prefix cache: they need it on "
+                             "(drop --disable-radix-cache)")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError("max_pinned_fraction must be in [0, 1]")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 import zmq
 
@@ -28,12 +29,25 @@ def ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+_SIGTERM_HOOKS: list[Callable[[], None]] = []
+
+
+def on_sigterm(hook: Callable[[], None]) -> None:
+    """Run ``hook`` (briefly: the launcher kills after 5 s) when SIGTERM stops this process."""
+    _SIGTERM_HOOKS.append(hook)
+
+
 def exit_on_sigterm(process: str) -> None:
     """SIGTERM (the launcher stopping us, e.g. because the other process died) exits at once,
-    as its default action would, but with a log line saying so."""
+    as its default action would, but with a log line saying so (after the ``on_sigterm`` hooks)."""
 
     def stop(signum: int, frame: object) -> None:
         logging.getLogger("radixserve").info("%s stops: asked to by the launcher (SIGTERM)", process)
+        for hook in _SIGTERM_HOOKS:
+            try:
+                hook()
+            except Exception:
+                logging.getLogger("radixserve").exception("a shutdown hook failed")
         for handler in logging.getLogger().handlers:
             handler.flush()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # then die of it: exit code -15, as before

@@ -1,10 +1,12 @@
-"""Radix tree: unit tests plus a hypothesis state machine against a brute-force prefix model."""
+"""Radix tree: unit tests plus hypothesis state machines: one against a brute-force prefix
+model, one over a fake two-tier (device + host) setup with page allocators."""
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from radixserve.cache.radix_tree import EVICTION_POLICIES, SLRU_PROTECT_HITS, RadixCache, TreeNode
+from radixserve.cache.allocator import PageAllocator
+from radixserve.cache.radix_tree import (
+    DEVICE,
+    EVICTION_POLICIES,
+    HOST,
+    SLRU_PROTECT_HITS,
+    RadixCache,
+    TreeNode,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -607,3 +617,546 @@ RadixModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestRadixModel = RadixModel.TestCase
+
+
+# ---------------------------------------------------------------------- tiers (device + host)
+
+
+class TwoTier:
+    """A fake two-tier setup: device and host page allocators under a tree.
+
+    ``kv[tier]`` maps each written slot to what it caches, ``(namespace, tokens up to and
+    including its token)``; ``demote`` and promotion copy it across tiers as the real pools
+    copy KV, so a tree node's slots can be checked against the tokens of its path.
+    """
+
+    def __init__(self, page_size: int, device_pages: int, host_pages: int, policy: str = "lru") -> None:
+        self.p = page_size
+        self.dev = PageAllocator(device_pages, page_size)
+        self.host = PageAllocator(host_pages, page_size)
+        self.kv: dict[str, dict[int, tuple[str, tuple[int, ...]]]] = {DEVICE: {}, HOST: {}}
+        self.refuse = False  # demote gives no host slots (as with the host tier off)
+        self.tree = RadixCache(page_size, self.free_device, eviction_policy=policy,
+                               demote=self.demote, free_host_slots=self.free_host)
+
+    def free_device(self, slots: np.ndarray) -> None:
+        self.dev.free_slots(slots)  # raises on a double free
+        for s in slots.tolist():
+            self.kv[DEVICE].pop(s, None)
+
+    def free_host(self, slots: np.ndarray) -> None:
+        self.host.free_slots(slots)
+        for s in slots.tolist():
+            self.kv[HOST].pop(s, None)
+
+    def demote(self, node: TreeNode) -> np.ndarray | None:
+        # Only an unlocked, unpinned device leaf may leave the device.
+        assert node.tier == DEVICE and node.lock_ref == 0 and node.pin_ref == 0
+        assert not node.has_device_child() and node.parent is not None
+        if self.refuse:
+            return None
+        pages = len(node.value) // self.p
+        short = pages - self.host.num_free_pages
+        if short > 0:
+            self.tree.evict_host(short * self.p)
+        slots = self.host.alloc_pages(pages)
+        if slots is None:
+            return None
+        self.copy(DEVICE, node.value, HOST, slots)
+        return slots
+
+    def copy(self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray) -> None:
+        for a, b in zip(src_slots.tolist(), dst_slots.tolist(), strict=True):
+            self.kv[dst][b] = self.kv[src][a]
+
+    def alloc(self, tier: str, n_tokens: int) -> np.ndarray | None:
+        """Slots of the whole pages that cover ``n_tokens``, evicting from ``tier`` first when
+        short; None when still short."""
+        pages = -(-n_tokens // self.p)
+        alloc = self.dev if tier == DEVICE else self.host
+        short = pages - alloc.num_free_pages
+        if short > 0:
+            (self.tree.evict if tier == DEVICE else self.tree.evict_host)(short * self.p)
+        return alloc.alloc_pages(pages)
+
+    def write(self, tier: str, key: list[int], slots: np.ndarray, ns: str = "") -> None:
+        for i, s in enumerate(slots[: len(key)].tolist()):
+            self.kv[tier][s] = (ns, tuple(key[: i + 1]))
+
+    def labels(self, tier: str, slots: np.ndarray) -> list:
+        return [self.kv[tier].get(s) for s in slots.tolist()]
+
+    def release(self, tier: str, key: list[int], slots: np.ndarray, cached: int) -> None:
+        """Free what the caller keeps after ``insert``: its duplicates ``[0, cached)`` and the
+        partial last page."""
+        aligned = len(key) // self.p * self.p
+        (self.free_device if tier == DEVICE else self.free_host)(
+            np.concatenate([slots[:cached], slots[aligned:]]))
+
+    def insert(self, key: list[int], ns: str = "", tier: str = DEVICE) -> int | None:
+        """Compute (device) or load (host) ``key``'s KV into fresh pages and insert it; None
+        when no pages could be had."""
+        slots = self.alloc(tier, len(key))
+        if slots is None:
+            return None
+        self.write(tier, key, slots, ns)
+        cached = self.tree.insert(key, slots[: len(key)], ns, tier)
+        self.release(tier, key, slots, cached)
+        return cached
+
+    def promote(self, key: list[int], ns: str = "", budget: int | None = None):
+        """Match ``key`` and promote its host nodes top down, as many as ``budget`` device pages
+        allow, the way the KV manager does: lock the path, evict device pages for it, copy,
+        ``promote`` each.  Returns the match and the device slots given to the promoted part."""
+        r = self.tree.match_prefix(key, ns)
+        if not r.host_nodes:
+            return r, np.empty(0, dtype=np.int64)
+        self.tree.inc_lock_ref(r.host_nodes[-1])
+        take, pages = [], 0
+        for node in r.host_nodes:
+            need = len(node.value) // self.p
+            if budget is not None and pages + need > budget:
+                break
+            take.append(node)
+            pages += need
+        device = self.alloc(DEVICE, pages * self.p) if take else None
+        self.tree.dec_lock_ref(r.host_nodes[-1])
+        if device is None:
+            return r, np.empty(0, dtype=np.int64)
+        at = 0
+        for node in take:
+            n = len(node.value)
+            self.copy(HOST, node.value, DEVICE, device[at : at + n])
+            self.tree.promote(node, device[at : at + n])
+            at += n
+        return r, device
+
+    def check(self, held: Sequence[np.ndarray] = ()) -> None:
+        """Tree invariants; every node's slots cache its own tokens; no device node below a
+        host node; every used page of each tier is held exactly once (the tree, or ``held``
+        for device pages of requests), every other page is free."""
+        tree = self.tree
+        tree.check_invariants()
+        for ns, root in tree._roots.items():
+            stack = [(child, ()) for child in root.children.values()]
+            while stack:
+                node, prefix = stack.pop()
+                assert node.tier in (DEVICE, HOST)
+                if node.tier == DEVICE:
+                    assert node.parent.parent is None or node.parent.tier == DEVICE
+                path = prefix + tuple(node.key.tolist())
+                expected = [(ns, path[: i + 1]) for i in range(len(prefix), len(path))]
+                assert self.labels(node.tier, node.value) == expected
+                stack.extend((child, path) for child in node.children.values())
+        for tier, alloc, extra in ((DEVICE, self.dev, list(held)), (HOST, self.host, [])):
+            slots = np.concatenate([tree.all_slots(tier), *extra])
+            assert len(np.unique(slots)) == len(slots), f"a {tier} slot is held twice"
+            pages = np.unique(slots // self.p)
+            assert len(slots) == len(pages) * self.p, f"a {tier} page is held in part"
+            assert pages.tolist() == alloc.used_pages().tolist(), f"{tier} pages leaked or freed while held"
+        assert tree.host_size() == len(tree.all_slots(HOST))
+
+
+def expect_labels(ns: str, key: Sequence[int], start: int, stop: int) -> list:
+    return [(ns, tuple(key[: i + 1])) for i in range(start, stop)]
+
+
+def peek(tree: RadixCache, key: Sequence[int], ns: str = "") -> tuple[int, int]:
+    """(device tokens, host tokens) of the cached page-aligned prefix of ``key``, found
+    without touching the tree (no split, no access time)."""
+    p = tree.page_size
+    aligned = len(key) // p * p
+    node, pos, dev, host = tree._roots.get(ns), 0, 0, 0
+    while node is not None and pos < aligned:
+        best, best_n = None, 0
+        for child in node.children.values():
+            ck = child.key.tolist()
+            n = 0
+            while n < len(ck) and pos + n < aligned and ck[n] == key[pos + n]:
+                n += 1
+            n -= n % p
+            if n > best_n:
+                best, best_n = child, n
+        if best is None:
+            break
+        if best.tier == DEVICE:
+            assert host == 0, "device node below a host node"
+            dev += best_n
+        else:
+            host += best_n
+        pos += best_n
+        node = best if best_n == len(best) else None
+    return dev, host
+
+
+def in_tree(tree: RadixCache, node: TreeNode) -> bool:
+    while node.parent is not None:
+        if not any(child is node for child in node.parent.children.values()):
+            return False
+        node = node.parent
+    return any(root is node for root in tree._roots.values())
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tiers_promotion_keeps_token_coverage(page_size):
+    p = page_size
+    tt = TwoTier(p, device_pages=16, host_pages=16)
+    tree = tt.tree
+    key = list(range(1, 4 * p + 1))  # four pages
+    assert tt.insert(key) == 0
+    tree.match_prefix(key[:p])  # split: [page 0] | [pages 1..3]
+    tree.match_prefix(key[: 2 * p])  # split again: [page 0] | [page 1] | [pages 2..3]
+    before = tree.match_prefix(key).slots
+    assert tree.evict(3 * p) == 3 * p  # pages 2..3 to the host, then page 1
+    assert (tree.total_size(), tree.host_size()) == (p, 3 * p)
+    tt.check()
+    r = tree.match_prefix(key)
+    assert len(r.slots) == p and [len(n) for n in r.host_nodes] == [p, 2 * p]
+    assert tt.labels(HOST, np.concatenate([n.value for n in r.host_nodes])) == expect_labels("", key, p, 4 * p)
+    # Promoting out of order is refused.
+    with pytest.raises(RuntimeError, match="promote"):
+        tree.promote(r.host_nodes[1], np.arange(2 * p))
+    r, device = tt.promote(key)
+    assert len(device) == 3 * p
+    tt.check()
+    after = tree.match_prefix(key)
+    assert after.host_nodes == () and path_len(after.node) == 4 * p
+    np.testing.assert_array_equal(after.slots, np.concatenate([r.slots, device]))
+    assert tt.labels(DEVICE, after.slots) == tt.labels(DEVICE, before) == expect_labels("", key, 0, 4 * p)
+    assert (tree.total_size(), tree.host_size()) == (4 * p, 0)
+    assert tt.host.num_free_pages == 16  # the host copies went back
+    tt.check()
+    # The promoted leaf is the device leaf now: evictable again, first.
+    assert tree.evict(1) == 2 * p and tree.host_size() == 2 * p
+    tt.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tiers_device_insert_adopts_host_path(page_size):
+    p = page_size
+    tt = TwoTier(p, device_pages=16, host_pages=16)
+    tree = tt.tree
+    key = list(range(1, 3 * p + 1))
+    assert tt.insert(key) == 0
+    tree.match_prefix(key[:p])  # [page 0] | [pages 1..2]
+    assert tree.evict(1) == 2 * p
+    top = tree.match_prefix(key[:p]).node
+    (host_node,) = top.children.values()
+    assert host_node.tier == HOST and len(host_node) == 2 * p
+    host_slots = host_node.value.copy()
+    tt.check()
+    # The same prompt and one more page, computed again on the device.
+    longer = key + list(range(100, 100 + p)) + [7] * (p - 1)  # and a partial page
+    slots = tt.alloc(DEVICE, len(longer))
+    tt.write(DEVICE, longer, slots)
+    cached = tree.insert(longer, slots[: len(longer)])
+    assert cached == p  # where the host part began, not where the match ended
+    assert tree.host_size() == 0 and tree.total_size() == 4 * p
+    assert tt.host._is_free[host_slots[::p] // p].all() and tt.host.num_free_pages == 16
+    assert host_node.tier == DEVICE and host_node.value.tolist() == slots[p : 3 * p].tolist()
+    tt.release(DEVICE, longer, slots, cached)
+    r = tree.match_prefix(longer)
+    assert r.host_nodes == ()
+    np.testing.assert_array_equal(r.slots[p:], slots[p : 4 * p])  # the adopted part holds ours
+    assert tt.labels(DEVICE, r.slots) == expect_labels("", longer, 0, 4 * p)
+    tt.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tiers_host_insert_adds_only_missing_tokens(page_size):
+    p = page_size
+    tt = TwoTier(p, device_pages=16, host_pages=16)
+    tree = tt.tree
+    key = list(range(1, 4 * p + 1))
+    assert tt.insert(key[: 2 * p]) == 0
+    assert tt.insert(key[:p] + [99] * p) == p  # [page 0] -> {[page 1], [99...]}
+    tree.match_prefix(key[:p])
+    assert tree.evict(p) == p  # the older leaf, [page 1], goes to the host
+    assert peek(tree, key) == (p, p)
+    assert tt.insert(key, tier=HOST) == 2 * p  # a disk load: only pages 2..3 are new
+    assert peek(tree, key) == (p, 3 * p)
+    assert (tree.total_size(), tree.host_size()) == (2 * p, 3 * p)
+    assert tt.host.num_free_pages == 16 - 3
+    tt.check()
+    # A host load of what is all cached takes nothing.
+    assert tt.insert(key[: 2 * p], tier=HOST) == 2 * p
+    assert tt.host.num_free_pages == 16 - 3
+    tt.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tiers_refused_demote_drops_node_and_host_subtree(page_size):
+    p = page_size
+    tt = TwoTier(p, device_pages=16, host_pages=16)
+    tree = tt.tree
+    a, b = list(range(1, 3 * p + 1)), list(range(1, p + 1)) + list(range(50, 50 + 2 * p))
+    tt.insert(a)
+    tt.insert(b)  # [page 0] -> {a's pages 1..2, b's pages 1..2}
+    tree.match_prefix(a[: 2 * p])  # a: [page 1] | [page 2]
+    assert tree.evict(4 * p) == 4 * p  # everything below page 0 goes to the host
+    assert (tree.total_size(), tree.host_size()) == (p, 4 * p)
+    tt.check()
+    top = tree.match_prefix(a[:p]).node
+    assert len(top) == p and top.tier == DEVICE and len(top.children) == 2
+    tt.refuse = True
+    freed_before = tt.host.num_free_pages
+    assert tree.evict(1) == p
+    assert tree.total_size() == 0 and tree.host_size() == 0 and not tree.root.children
+    assert tt.host.num_free_pages == freed_before + 4 and tt.dev.num_free_pages == 16
+    assert top.parent is None
+    tt.check()
+
+
+def test_tiers_locked_host_path_survives_host_pressure():
+    tt = TwoTier(1, device_pages=8, host_pages=2)
+    tree = tt.tree
+    tt.insert([1, 2])
+    assert tree.evict(2) == 2  # [1, 2] on the host
+    r = tree.match_prefix([1, 2])
+    tree.inc_lock_ref(r.host_nodes[-1])  # a swapped-out request's hold
+    tt.insert([3, 4])
+    assert tree.evict(2) == 2  # no host room: [3, 4] is dropped instead
+    assert peek(tree, [1, 2]) == (0, 2) and peek(tree, [3, 4]) == (0, 0)
+    assert tree.evict_host(10) == 0
+    tt.check()
+    tree.dec_lock_ref(r.host_nodes[-1])
+    assert tree.evict_host(10) == 2 and tt.host.num_free_pages == 2
+    tt.check()
+
+
+def test_tiers_demote_path_stops_at_a_shared_or_locked_node():
+    tt = TwoTier(1, device_pages=16, host_pages=16)
+    tree = tt.tree
+    tt.insert([1, 2, 3, 4])
+    tt.insert([1, 2, 9])  # [1, 2] -> {[3, 4], [9]}
+    tip = tree.match_prefix([1, 2, 3, 4]).node
+    assert tree.demote_path(tip) == 2  # [3, 4] only: [1, 2] still has the device child [9]
+    assert peek(tree, [1, 2, 3, 4]) == (2, 2) and peek(tree, [1, 2, 9]) == (3, 0)
+    tt.check()
+    other = tree.match_prefix([1, 2, 9]).node
+    tree.inc_lock_ref(other)
+    assert tree.demote_path(other) == 0
+    tree.dec_lock_ref(other)
+    assert tree.demote_path(other) == 3  # [9], then [1, 2]
+    assert tree.total_size() == 0 and tree.host_size() == 5
+    tt.check()
+
+
+def test_tiers_device_leaf_above_host_part_stays_evictable_after_match():
+    """A match (or a host insert) through an unlocked device leaf into its host children
+    touches the leaf; it must stay in the eviction heap with its new priority."""
+    tt = TwoTier(1, device_pages=8, host_pages=8)
+    tree = tt.tree
+    tt.insert([1, 2])
+    tree.match_prefix([1])  # [1] | [2]
+    assert tree.evict(1) == 1  # [2] to the host; [1] is a device leaf
+    tt.check()
+    tree.match_prefix([1, 2])
+    tt.check()
+    assert tree.evict(1) == 1
+    tt2 = TwoTier(1, device_pages=8, host_pages=8)
+    tt2.insert([1])
+    assert tt2.insert([1, 2], tier=HOST) == 1
+    tt2.check()
+    assert tt2.tree.evict(1) == 1
+
+
+# A few prompts that share pages and part inside a page (and inside a page-sized node), cut
+# at any length, so that requests keep meeting each other's prefixes on both tiers.
+PROMPTS = [
+    (0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+    (0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 5, 5, 3, 3, 3, 3),
+    (0, 0, 0, 0, 1, 1, 1, 1, 6, 6, 6, 6),
+    (0, 0, 0, 0, 7, 7, 7, 7, 2, 2, 2, 2),
+    (9, 9, 9, 9, 1, 1, 1, 1),
+]
+tier_keys = st.tuples(st.sampled_from(PROMPTS), st.integers(1, 16)).map(lambda t: list(t[0][: t[1]]))
+
+
+class TieredRadixModel(RuleBasedStateMachine):
+    """Drives a RadixCache with a device and a host tier over small page allocators.
+
+    The tree's own choices (what to evict, demote, drop) are not predicted; instead, after
+    every step, :meth:`TwoTier.check` proves that no page of either tier is lost or held
+    twice, that every node's slots hold the KV of its own tokens (so demotion, promotion and
+    adoption moved the right data), that device nodes sit above host nodes, and that every
+    node the test locks or pins is still in the tree (pinned or device-locked: on the device).
+    """
+
+    @initialize(page_size=st.sampled_from([1, 4]), policy=st.sampled_from(EVICTION_POLICIES))
+    def setup(self, page_size: int, policy: str) -> None:
+        device_pages, host_pages = (24, 12) if page_size == 1 else (8, 4)
+        self.p = page_size
+        self.t = TwoTier(page_size, device_pages, host_pages, policy)
+        self.tree = self.t.tree
+        self.running: list[tuple[list[int], str, np.ndarray]] = []  # computed KV, not inserted
+        self.locks: list[tuple[TreeNode, str]] = []  # node and its tier when locked
+        self.pins: list[TreeNode] = []
+
+    def aligned(self, key: list[int]) -> int:
+        return len(key) // self.p * self.p
+
+    def matched(self, key: list[int], ns: str):
+        dev, host = peek(self.tree, key, ns)
+        r = self.tree.match_prefix(key, ns)
+        assert path_len(r.node) == dev and r.host_len == host
+        assert r.node.parent is None or r.node.tier == DEVICE
+        assert self.t.labels(DEVICE, r.slots) == expect_labels(ns, key, 0, dev)
+        parent = r.node
+        for node in r.host_nodes:
+            assert node.tier == HOST and node.parent is parent
+            parent = node
+        host_slots = np.concatenate([np.empty(0, dtype=np.int64), *(n.value for n in r.host_nodes)])
+        assert self.t.labels(HOST, host_slots) == expect_labels(ns, key, dev, dev + host)
+        return r
+
+    @precondition(lambda self: len(self.running) < 2)
+    @rule(key=tier_keys, ns=NAMESPACES)
+    def compute(self, key: list[int], ns: str) -> None:
+        """A request computes its KV into fresh device pages (evicting for them)."""
+        slots = self.t.alloc(DEVICE, len(key))
+        if slots is not None:
+            self.t.write(DEVICE, key, slots, ns)
+            self.running.append((key, ns, slots))
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100))
+    def finish(self, index: int) -> None:
+        """The request's KV goes into the tree (device tier); it frees the duplicates."""
+        key, ns, slots = self.running.pop(index % len(self.running))
+        dev, _ = peek(self.tree, key, ns)
+        cached = self.tree.insert(key, slots[: len(key)], ns)
+        assert cached == dev  # a host part on the path is adopted, not "already cached"
+        assert peek(self.tree, key, ns) == (self.aligned(key), 0)
+        self.t.release(DEVICE, key, slots, cached)
+
+    @rule(key=tier_keys, ns=NAMESPACES, swap_out=st.booleans())
+    def serve(self, key: list[int], ns: str, swap_out: bool) -> None:
+        """A whole request: compute and insert; if retracted (``swap_out``), its path leaves
+        the device as far as no one else holds it."""
+        if len(self.running) < 2:
+            self.compute(key, ns)
+            if self.running and self.running[-1][0] is key:
+                self.finish(len(self.running) - 1)
+                if swap_out:
+                    self.demote_path(key, ns)
+
+    @rule(key=tier_keys, ns=NAMESPACES)
+    def load_host(self, key: list[int], ns: str) -> None:
+        """KV read into host pages (a disk hit) goes in with tier=HOST."""
+        slots = self.t.alloc(HOST, len(key))
+        if slots is None:
+            return
+        self.t.write(HOST, key, slots, ns)
+        dev, host = peek(self.tree, key, ns)
+        cached = self.tree.insert(key, slots[: len(key)], ns, tier=HOST)
+        assert cached == dev + host
+        assert peek(self.tree, key, ns) == (dev, self.aligned(key) - dev)
+        self.t.release(HOST, key, slots, cached)
+
+    @rule(key=tier_keys, ns=NAMESPACES, hold_host=st.booleans())
+    def lock(self, key: list[int], ns: str, hold_host: bool) -> None:
+        r = self.matched(key, ns)
+        node = r.host_nodes[-1] if hold_host and r.host_nodes else r.node
+        if node.parent is not None:
+            self.tree.inc_lock_ref(node)
+            self.locks.append((node, node.tier))
+
+    @precondition(lambda self: self.locks)
+    @rule(index=st.integers(0, 100))
+    def unlock(self, index: int) -> None:
+        node, _ = self.locks.pop(index % len(self.locks))
+        self.tree.dec_lock_ref(node)
+
+    @rule(key=tier_keys, ns=NAMESPACES)
+    def pin(self, key: list[int], ns: str) -> None:
+        node = self.matched(key, ns).node
+        if node.parent is not None:
+            self.tree.pin(node)
+            self.pins.append(node)
+
+    @precondition(lambda self: self.pins)
+    @rule(index=st.integers(0, 100))
+    def unpin(self, index: int) -> None:
+        self.tree.unpin(self.pins.pop(index % len(self.pins)))
+
+    @rule(key=tier_keys, ns=NAMESPACES)
+    def hit(self, key: list[int], ns: str) -> None:
+        self.tree.record_hit(self.matched(key, ns).node)
+
+    @rule(key=tier_keys, ns=NAMESPACES, budget=st.none() | st.integers(0, 6))
+    def promote(self, key: list[int], ns: str, budget: int | None) -> None:
+        dev, host = peek(self.tree, key, ns)
+        r, device = self.t.promote(key, ns, budget)
+        n = len(device)
+        assert n <= host and (budget is None or n <= budget * self.p)
+        assert peek(self.tree, key, ns) == (dev + n, host - n)  # the locked path stayed put
+        self.consistent()  # before the match below touches (and re-queues) the path
+        after = self.matched(key, ns)
+        np.testing.assert_array_equal(after.slots, np.concatenate([r.slots, device]))
+
+    @rule(num_tokens=st.integers(0, 12))
+    def evict(self, num_tokens: int) -> None:
+        evictable, total = self.tree.evictable_size(), self.tree.total_size()
+        freed = self.tree.evict(num_tokens)
+        assert total - self.tree.total_size() == freed
+        assert freed >= num_tokens if evictable >= num_tokens else freed == evictable
+
+    @rule(num_tokens=st.integers(0, 12))
+    def evict_host(self, num_tokens: int) -> None:
+        host = self.tree.host_size()
+        freed = self.tree.evict_host(num_tokens)
+        assert host - self.tree.host_size() == freed
+        if freed < num_tokens:  # then no unlocked host leaf is left
+            assert not any(n.tier == HOST and not n.children and not n.lock_ref for n in self.tree._nodes())
+
+    @rule(key=tier_keys, ns=NAMESPACES)
+    def demote_path(self, key: list[int], ns: str) -> None:
+        """A retracted request's path is swapped out as far as no one else holds it."""
+        node = self.matched(key, ns).node
+        total, length = self.tree.total_size(), path_len(node)
+        moved = self.tree.demote_path(node)
+        assert total - self.tree.total_size() == moved <= length
+
+    @rule(refuse=st.booleans())
+    def host_refuses(self, refuse: bool) -> None:
+        self.t.refuse = refuse
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "t"):
+            return
+        self.t.check(held=[slots for _, _, slots in self.running])
+        for node, tier in self.locks:
+            assert in_tree(self.tree, node), f"locked {node!r} left the tree"
+            assert tier == HOST or node.tier == DEVICE, f"locked {node!r} left the device"
+        for node in self.pins:
+            assert in_tree(self.tree, node) and node.tier == DEVICE, f"pinned {node!r} moved"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "t"):
+            return
+        for node, _ in self.locks:
+            self.tree.dec_lock_ref(node)
+        for node in self.pins:
+            self.tree.unpin(node)
+        for _, _, slots in self.running:
+            self.t.free_device(slots)
+        for _ in range(100):
+            if not (self.tree.total_size() or self.tree.host_size()):
+                break
+            self.tree.evict(self.tree.total_size())
+            self.tree.evict_host(self.tree.host_size())
+        assert self.tree.total_size() == 0 and self.tree.host_size() == 0
+        assert self.t.dev.num_free_pages == self.t.dev.num_pages
+        assert self.t.host.num_free_pages == self.t.host.num_pages
+        self.t.check()
+
+
+TieredRadixModel.TestCase.settings = settings(
+    max_examples=600,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestTieredRadixModel = TieredRadixModel.TestCase

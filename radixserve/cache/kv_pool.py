@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -20,6 +21,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> None:
         self.num_slots = num_slots
         self.num_layers = num_layers
@@ -28,8 +30,11 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # pin_memory: a host tier in page-locked memory, so that copies to a GPU are asynchronous.
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+                          for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+                          for _ in range(num_layers)]
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` of shape ``[n, num_kv_heads, head_dim]`` into ``slots`` (``[n]``)."""
@@ -43,3 +48,31 @@ class KVPool:
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def gather(self, slots: np.ndarray) -> torch.Tensor:
+        """K and V of ``slots`` for every layer: ``[2, num_layers, n, num_kv_heads, head_dim]``
+        on this pool's device (a copy)."""
+        idx = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device)
+        k = torch.stack([buf.index_select(0, idx) for buf in self.k_buffers])
+        v = torch.stack([buf.index_select(0, idx) for buf in self.v_buffers])
+        return torch.stack((k, v))
+
+    def scatter(self, slots: np.ndarray, kv: torch.Tensor) -> None:
+        """Write ``kv`` (as :meth:`gather` returns it, any device) into ``slots``."""
+        idx = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device)
+        kv = kv.to(self.device, self.dtype, non_blocking=True)
+        for layer in range(self.num_layers):
+            self.k_buffers[layer].index_copy_(0, idx, kv[0, layer])
+            self.v_buffers[layer].index_copy_(0, idx, kv[1, layer])
+
+
+def copy_slots(src: KVPool, src_slots: np.ndarray, dst: KVPool, dst_slots: np.ndarray) -> None:
+    """Copy the K/V of ``src_slots`` in ``src`` to ``dst_slots`` in ``dst`` (every layer)."""
+    if len(src_slots) != len(dst_slots):
+        raise ValueError(f"copy_slots: {len(src_slots)} source slots, {len(dst_slots)} destination slots")
+    src_idx = torch.from_numpy(np.asarray(src_slots, dtype=np.int64)).to(src.device)
+    dst_idx = torch.from_numpy(np.asarray(dst_slots, dtype=np.int64)).to(dst.device)
+    for layer in range(src.num_layers):
+        for s_buf, d_buf in ((src.k_buffers[layer], dst.k_buffers[layer]),
+                             (src.v_buffers[layer], dst.v_buffers[layer])):
+            d_buf.index_copy_(0, dst_idx, s_buf.index_select(0, src_idx).to(dst.device, non_blocking=True))

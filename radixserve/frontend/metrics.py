@@ -47,6 +47,35 @@ class _SchedulerCollector(Collector):
         )
         for name, value, doc in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from self._tiers(s)
+
+    @staticmethod
+    def _tiers(s: dict[str, Any]) -> Iterator[Any]:
+        """Host and disk KV tiers, when the server has them."""
+        by_tier = s.get("cached_tokens_by_tier")
+        if by_tier is None:
+            return
+        family = CounterMetricFamily("radixserve:cached_tokens_by_tier",
+                                     "prompt tokens served from the cache, by the tier they were found in", labels=["tier"])
+        for tier, n in by_tier.items():
+            family.add_metric([tier], n)
+        yield family
+        for name, key, doc in (
+            ("radixserve:kv_demoted_tokens", "demoted_tokens", "tokens evicted from the device pool into the host tier"),
+            ("radixserve:kv_promoted_tokens", "promoted_tokens", "tokens copied back from the host tier"),
+            ("radixserve:kv_swapped_out_tokens", "swapped_out_tokens", "tokens of retracted requests swapped to the host"),
+            ("radixserve:kv_disk_loaded_tokens", "disk_loaded_tokens", "tokens loaded from the disk tier"),
+            ("radixserve:kv_disk_corrupt_blocks", "disk_corrupt_blocks", "disk-tier files found damaged and deleted"),
+        ):
+            if key in s:
+                yield CounterMetricFamily(name, doc, value=s[key])
+        for name, key, doc in (
+            ("radixserve:kv_host_tokens_cached", "host_tree_tokens", "tokens the radix tree holds in the host tier"),
+            ("radixserve:kv_host_tokens_total", "host_tokens", "size of the host tier in tokens"),
+            ("radixserve:kv_disk_blocks", "disk_blocks", "blocks in the disk tier"),
+        ):
+            if key in s:
+                yield GaugeMetricFamily(name, doc, value=s[key])
 
 
 class Metrics:

@@ -133,7 +133,7 @@ class PrefillAdder:
         if self.shares_uncached_prefix(req):
             self.plan.deferred += 1
             return "deferred"
-        if not self.kv.admit(req):
+        if not self.kv.admit(req, page_budget=self.kv.available_pages() - self.reserved_pages):
             return "stop"  # no free row in the request-to-token table
         n = self._chunk_len(req)
         reserve = reserve_tokens(req, self.new_token_ratio)
@@ -142,6 +142,8 @@ class PrefillAdder:
             return "stop"
         if req.cached_tokens is None:
             req.cached_tokens = req.tree_len
+            req.cached_by_tier = req.cached_split if self.kv.tiers is not None else None
         req.state = ReqState.PREFILLING
+        self.kv.drop_swap_hold(req)  # its own lock holds the prefix now
         self._take(req, n, reserve if n == req.remaining_extend else 0)
         return "admitted"

@@ -14,9 +14,12 @@ def retract(req: Req, kv: KVManager) -> None:
     """Free the request's pages (its computed KV stays in the tree) and send it back to wait.
 
     Its output so far is kept: on re-admission it recomputes ``prompt + output`` (mostly
-    from the tree) and continues where it stopped.
+    from the tree) and continues where it stopped.  Under ``--preemption-mode swap`` its own
+    KV moves to the host tier now and is copied back on re-admission instead.
     """
-    kv.release(req, cache=True)
+    kv.release(req, cache=True, swap=True)
+    if req.tiers is not None:
+        req.tiers.checked = False  # look on disk again when it waits
     req.state = ReqState.WAITING
     req.num_retractions += 1
 

@@ -2,26 +2,39 @@
 
 The only code that moves slots between owners.  Owners of a page: the allocator (free), the
 tree (cached, maybe locked), or exactly one request (``[tree_len, alloc_len)`` of its row).
+With tiers (``cache/tiers``) it also promotes host nodes a request matched, writes the blocks
+that enter the tree to disk, and loads a waiting request's stored blocks.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import numpy as np
 import torch
 
 from radixserve.cache.allocator import PageAllocator
-from radixserve.cache.radix_tree import RadixCache
+from radixserve.cache.radix_tree import DEVICE, HOST, RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
+from radixserve.cache.tiers import DiskLoad, ReqTiers, TierManager
 from radixserve.scheduler.request import Req
+
+logger = logging.getLogger(__name__)
 
 
 class KVManager:
-    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, tree: RadixCache) -> None:
+    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, tree: RadixCache,
+                 tiers: TierManager | None = None, swap: bool = False) -> None:
         self.allocator = allocator
         self.req_pool = req_pool
         self.tree = tree
         self.page_size = allocator.page_size
         self.evicted_tokens = 0
+        self.tiers = tiers
+        self.host = tiers is not None and tiers.host_pool is not None
+        self.disk = tiers.disk if tiers is not None and not tree.disable else None
+        self.swap = swap and self.host  # preemption by swapping the KV out to the host tier
 
     # ---- capacity ----------------------------------------------------------------------
     def aligned(self, n: int) -> int:
@@ -63,13 +76,23 @@ class KVManager:
         result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.extra_key)
         return result.slots, result.node
 
-    def admit(self, req: Req) -> bool:
-        """Give the request a row and its cached prefix (locked). False if no row is free."""
+    def admit(self, req: Req, page_budget: int | None = None) -> bool:
+        """Give the request a row and its cached prefix (locked). False if no row is free.
+
+        A prefix that continues in host nodes is promoted to the device first, as far as
+        ``page_budget`` device pages allow (all of it when None).
+        """
         row = self.req_pool.alloc()
         if row is None:
             return False
-        slots, node = self.match(req)
+        result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.extra_key)
+        slots, node, promoted = result.slots, result.node, 0
+        if result.host_nodes:
+            slots, node, promoted = self._promote(result.slots, result.node, result.host_nodes, page_budget)
         n = len(slots)
+        disk = min(req.tiers.disk_tokens, n) if req.tiers is not None else 0
+        host = max(0, promoted - disk)
+        req.cached_split = {"device": n - disk - host, "host": host, "disk": disk}
         req.row = row
         # Row [0, n): tree slots of the cached prefix.
         if n:
@@ -80,6 +103,38 @@ class KVManager:
         if n and req.num_retractions == 0:  # a retracted request re-reading its own prefix is no hit
             self.tree.record_hit(node)
         return True
+
+    def _promote(self, slots: np.ndarray, node: object, host_nodes: tuple, page_budget: int | None
+                 ) -> tuple[np.ndarray, object, int]:
+        """Copy the leading ``host_nodes`` that fit to the device, top down; return the
+        prefix's device slots, its deepest device node and the tokens promoted."""
+        assert self.tiers is not None
+        reserve = 0 if page_budget is None else max(0, self.available_pages() - page_budget)
+        self.tree.inc_lock_ref(host_nodes[-1])  # the path stays put while pages are evicted for it
+        budget = self.available_pages() - reserve
+        take, pages = [], 0
+        for host_node in host_nodes:
+            need = len(host_node.value) // self.page_size
+            if pages + need > budget:
+                break
+            take.append(host_node)
+            pages += need
+        short = pages - self.allocator.num_free_pages
+        if short > 0:
+            self.evict_pages(short)
+        device = self.allocator.alloc_pages(pages) if take else None
+        self.tree.dec_lock_ref(host_nodes[-1])
+        if not take:
+            return slots, node, 0
+        if device is None:
+            raise RuntimeError(f"promotion of {pages} pages failed within a budget of {budget}")
+        self.tiers.to_device(np.concatenate([h.value for h in take]), device)
+        at = 0
+        for host_node in take:
+            n = len(host_node.value)
+            self.tree.promote(host_node, device[at : at + n])
+            at += n
+        return np.concatenate([slots, device]), take[-1], at
 
     def ensure_slots(self, req: Req, n: int) -> bool:
         """Back row ``[kv_len, kv_len + n)`` with slots, evicting tree leaves if needed."""
@@ -131,6 +186,8 @@ class KVManager:
         if self.tree.disable or aligned <= req.tree_len:
             return req.tree_len
         row_slots = self.req_pool.table[req.row, : req.kv_len].numpy().astype(np.int64)
+        if self.disk is not None:
+            self._write_through(req, row_slots)
         present = self.tree.insert(req.tokens(0, req.kv_len), row_slots, req.extra_key)
         if present > req.tree_len:
             self.allocator.free_slots(row_slots[req.tree_len : present])
@@ -151,14 +208,17 @@ class KVManager:
         req.last_node = result.node
         req.tree_len = aligned
 
-    def release(self, req: Req, cache: bool) -> None:
-        """Free the request's row and pages; with ``cache`` its computed KV goes to the tree.
+    def release(self, req: Req, cache: bool, swap: bool = False) -> None:
+        """Free the request's row and pages; with ``cache`` its computed KV goes to the tree,
+        and with ``swap`` (a retraction under ``--preemption-mode swap``) on to the host tier
+        at once: the part no other request holds leaves the device now.
 
         An aborted request is released with ``cache=False``: partial KV never enters the tree.
         """
         if req.row is None:
             return
         keep_until = self._insert(req) if cache else req.tree_len
+        tokens = req.tokens(0, keep_until) if swap and self.swap and keep_until > 0 else None
         # Row [keep_until, alloc_len): pages still ours after the insert; free them.
         if req.alloc_len > keep_until:
             tail = self.req_pool.table[req.row, keep_until : req.alloc_len].numpy().astype(np.int64)
@@ -168,6 +228,132 @@ class KVManager:
         req.row = None
         req.last_node = None
         req.kv_len = req.tree_len = req.alloc_len = 0
+        if tokens is not None:  # the part no other request holds leaves the device now
+            assert self.tiers is not None
+            tip = self.tree.match_prefix(tokens, req.extra_key).node
+            self.tiers.stats.swapped_out_tokens += self.tree.demote_path(tip)
+            if tip.tier == HOST and tip.parent is not None:  # held for it until it is back (or aborted)
+                self.tree.inc_lock_ref(tip)
+                req.swap_hold = tip
+
+    # ---- the disk tier -----------------------------------------------------------------
+    def _write_through(self, req: Req, row_slots: np.ndarray) -> None:
+        """Store the request's full blocks in ``[0, kv_len)`` that the disk lacks (their KV is
+        in the row: tree slots and the request's own)."""
+        assert self.tiers is not None and self.disk is not None
+        state = req.tiers = req.tiers or ReqTiers()
+        names = self.tiers.block_names(state, req.tokens(0, req.kv_len), req.extra_key)
+        if state.stored >= len(names):
+            return
+        bt = self.tiers.block_tokens
+        new = [i for i in range(state.stored, len(names)) if names[i] not in self.disk]
+        if new:
+            slots = np.concatenate([row_slots[i * bt : (i + 1) * bt] for i in new])
+            kv = self.tiers.device_pool.gather(slots).cpu()  # [2, layers, n * bt, heads, dim]
+            self.disk.write([names[i] for i in new], [kv[:, :, j * bt : (j + 1) * bt] for j in range(len(new))])
+        self.disk.touch(names)
+        state.stored = len(names)
+
+    def prefetch(self, req: Req) -> None:
+        """For a request that starts to wait: if its prompt continues past the tree's match
+        into blocks on disk, start loading them (the request waits for them: ``loading``)."""
+        if self.disk is None or self.tiers is None:
+            return
+        state = req.tiers = req.tiers or ReqTiers()
+        if state.checked or state.load is not None:
+            return
+        state.checked = True
+        limit = self.match_limit(req)
+        bt = self.tiers.block_tokens
+        if limit < bt:
+            return
+        result = self.tree.match_prefix(req.tokens(0, limit), req.extra_key)
+        matched = len(result.slots) + result.host_len
+        names = self.tiers.block_names(state, req.tokens(0, limit), req.extra_key)
+        start = matched // bt
+        run = self.disk.run_length(names[start:])
+        if run == 0 or (start + run) * bt <= matched:
+            return
+        node = result.host_nodes[-1] if result.host_nodes else result.node
+        self.tree.inc_lock_ref(node)
+        state.load = DiskLoad(self.disk.load(names[start : start + run]), node, start,
+                              names[start : start + run], matched)
+        self.tiers.stats.disk_loads += 1
+
+    @staticmethod
+    def loading(req: Req) -> bool:
+        return req.tiers is not None and req.tiers.load is not None
+
+    def land_loads(self, waiting: list[Req]) -> None:
+        """Put the blocks of finished disk loads into the tree (host nodes, or device nodes
+        without a host tier) and let their requests be admitted."""
+        for req in waiting:
+            state = req.tiers
+            if state is None or state.load is None or not state.load.future.done():
+                continue
+            load, state.load = state.load, None
+            try:
+                result = load.future.result()
+            except Exception:  # an I/O error: the request computes its prompt instead
+                logger.exception("disk KV cache: a load failed")
+                self.tree.dec_lock_ref(load.node)
+                continue
+            assert self.disk is not None
+            if result.bad:
+                self.disk.forget(result.bad)
+            if result.blocks:
+                end = self._insert_blocks(req, load, result.blocks)
+                state.disk_tokens = max(0, end - load.matched)
+                found = self.tree.match_prefix(req.tokens(0, end), req.extra_key) if self.host else None
+                if found is not None and found.host_nodes and req.swap_hold is None:
+                    # Held for the request on the host until it is admitted, as swapped-out KV is.
+                    req.swap_hold = found.host_nodes[-1]
+                    self.tree.inc_lock_ref(req.swap_hold)
+            self.tree.dec_lock_ref(load.node)
+
+    def _insert_blocks(self, req: Req, load: DiskLoad, blocks: list[torch.Tensor]) -> int:
+        """Insert loaded blocks after ``load.node``; return the end of the cached prefix."""
+        assert self.tiers is not None
+        bt, ps = self.tiers.block_tokens, self.page_size
+        begin, end = load.start * bt, (load.start + len(blocks)) * bt
+        pages = (end - begin) // ps
+        if self.host:
+            assert self.tiers.host_alloc is not None and self.tiers.host_pool is not None
+            short = pages - self.tiers.host_alloc.num_free_pages
+            if short > 0:
+                self.tiers.stats.host_dropped_tokens += self.tree.evict_host(short * ps)
+            slots, pool, tier = self.tiers.host_alloc.alloc_pages(pages), self.tiers.host_pool, HOST
+        else:
+            short = pages - self.allocator.num_free_pages
+            if short > 0:
+                self.evict_pages(short)
+            slots, pool, tier = self.allocator.alloc_pages(pages), self.tiers.device_pool, DEVICE
+        if slots is None:
+            return load.matched
+        t0 = time.perf_counter()
+        pool.scatter(slots, torch.cat(blocks, dim=2))
+        if tier == DEVICE:
+            self.tiers.timed_copy(time.perf_counter() - t0)
+        keys = np.concatenate([np.full(begin, -1, dtype=np.int64), slots])
+        present = self.tree.insert(req.tokens(0, end), keys, req.extra_key, tier=tier)
+        dup = slots[: max(0, present - begin)]
+        if len(dup):  # the tree had these already (another request computed them meanwhile)
+            (self.tiers.free_host if tier == HOST else self.allocator.free_slots)(dup)
+        self.tiers.stats.disk_loaded_tokens += end - max(begin, present)
+        return end
+
+    def drop_swap_hold(self, req: Req) -> None:
+        if req.swap_hold is not None:
+            self.tree.dec_lock_ref(req.swap_hold)
+            req.swap_hold = None
+
+    def forget_waiting(self, req: Req) -> None:
+        """An aborted waiting request: let go of its swapped-out KV and of its disk load (the
+        blocks are dropped on arrival)."""
+        self.drop_swap_hold(req)
+        if req.tiers is not None and req.tiers.load is not None:
+            self.tree.dec_lock_ref(req.tiers.load.node)
+            req.tiers.load = None
 
     # ---- checks ------------------------------------------------------------------------
     def owned_pages(self, reqs: list[Req]) -> int:
@@ -194,4 +380,7 @@ class KVManager:
             raise RuntimeError(f"tree locks left while idle: {report}")
         if idle and self.req_pool.num_free != self.req_pool.max_requests:
             raise RuntimeError("request rows left allocated while idle")
+        if self.tiers is not None:
+            report.update(self.tiers.check())
+            report["host_tokens_cached"] = self.tree.host_size()
         return report

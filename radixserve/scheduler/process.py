@@ -118,6 +118,7 @@ def run_scheduler_process(
         configure_logging,
         exit_on_sigterm,
         ignore_interrupts,
+        on_sigterm,
         open_pipeline_sockets,
         parent_alive,
     )
@@ -139,6 +140,7 @@ def run_scheduler_process(
         loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device)
         tokenizer = load_tokenizer(loaded.tokenizer_path)
         sched = Scheduler(args, loaded.model, loaded.config, tokenizer)
+        on_sigterm(sched.close)  # queued disk-tier writes land before the process goes
         recv, send = open_pipeline_sockets(in_addr, out_addr)
     except Exception as e:  # reported to the launcher, which fails the start with it
         logger.exception("scheduler failed to start")
@@ -160,6 +162,7 @@ def run_scheduler_process(
     while True:
         if not parent_alive(parent):  # checked busy or idle: never outlive the launcher
             logger.info("launcher is gone; scheduler exits")
+            sched.close()
             return
         if not sched.has_work and not recv.poll(1000):
             continue

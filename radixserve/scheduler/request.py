@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from radixserve.cache.radix_tree import TreeNode
+    from radixserve.cache.tiers import ReqTiers
     from radixserve.grammar import RequestGrammar
     from radixserve.sampling import SamplingParams
     from radixserve.scheduler.prompt_logprobs import PromptLogprobs
@@ -98,6 +99,11 @@ class Req:
         self.last_node: TreeNode | None = None
         # Stats and streaming
         self.cached_tokens: int | None = None  # tree hit at first admission
+        self.cached_by_tier: dict[str, int] | None = None  # that hit by tier it came from
+        self.cached_split: dict[str, int] = {}  # the split of the latest admission
+        self.tiers: ReqTiers | None = None  # disk blocks and loads (cache/tiers)
+        # Its swapped-out KV, or the host nodes a disk load brought for it: locked while it waits.
+        self.swap_hold: TreeNode | None = None
         self.admit_seq = 0  # order of admission, for retraction (latest first)
         self.sent_len = 0  # output tokens already sent to the detokenizer
         self.sent_init = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -14,6 +15,7 @@ from radixserve.cache.allocator import PageAllocator
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
+from radixserve.cache.tiers import TierManager
 from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
 from radixserve.messages import ErrorOut, GenerateReq, TokenOut
 from radixserve.sampling import SamplingParams
@@ -37,6 +39,16 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 MAX_AUTO_POOL_TOKENS = 1 << 17
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A cheap hash of the weights (a few values of every tensor): a disk KV tier written by
+    other weights under the same name is not read."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in model.state_dict().items():
+        h.update(name.encode() + str(tuple(p.shape)).encode())
+        h.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def auto_pool_tokens(bytes_per_token: int, fraction: float, device: torch.device) -> int:
@@ -75,12 +87,14 @@ class Scheduler:
         self.req_pool = ReqToTokenPool(self.max_running, self.context_len + self.page_size, self.device)
         self.tree = RadixCache(self.page_size, self.allocator.free_slots, disable=args.disable_radix_cache,
                                eviction_policy=args.radix_eviction_policy)
-        self.kv = KVManager(self.allocator, self.req_pool, self.tree)
+        kv_pool = KVPool(self.allocator.num_slots, layers, kv_heads, head_dim, self.dtype, self.device)
+        self.tiers = self._make_tiers(kv_pool, model)
+        self.kv = KVManager(self.allocator, self.req_pool, self.tree, self.tiers,
+                            swap=args.preemption_mode == "swap")
         self.pins = Pins(self.tree, int(args.max_pinned_fraction * self.pool_tokens))
         self.policy = SchedulePolicy(args.schedule_policy, args.schedule_policy_max_queue, seed=args.random_seed,
                                      low_priority_values_first=args.schedule_low_priority_values_first,
                                      preemption=args.priority_preemption)
-        kv_pool = KVPool(self.allocator.num_slots, layers, kv_heads, head_dim, self.dtype, self.device)
         self.runner = ModelRunner(
             model, self.vocab_size, kv_pool, self.req_pool, args.attention_backend, self.device
         )
@@ -102,6 +116,20 @@ class Scheduler:
         self._errors: list[ErrorOut] = []
         self._aborted: list[Req] = []
         self._last_forward_s = 0.0
+
+    def _make_tiers(self, kv_pool: KVPool, model: torch.nn.Module) -> TierManager | None:
+        """The host and disk KV tiers the settings ask for (None: neither)."""
+        args = self.args
+        host = args.host_cache_size
+        if args.preemption_mode == "swap" and not host:
+            host = 2 * self.pool_tokens  # swapping needs somewhere to go
+        if not host and not args.disk_cache_dir:
+            return None
+        identity = {"model": args.model or "default", "config": repr(self.model_config),
+                    "weights": weights_fingerprint(model)}
+        tiers = TierManager(kv_pool, self.page_size, host, args.disk_cache_dir, args.disk_cache_size, identity)
+        tiers.attach(self.tree)
+        return tiers
 
     # ---- requests in -------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -160,6 +188,7 @@ class Scheduler:
             return
         if req.state == ReqState.WAITING:
             self.waiting.remove(req)
+            self.kv.forget_waiting(req)
         elif req is self.chunked:
             self.chunked = None
         elif req in self.running:
@@ -193,7 +222,8 @@ class Scheduler:
         """Nothing can run until a grammar finishes compiling (the loop may wait a little)."""
         return (
             not self.running and self.chunked is None and not self._aborted
-            and all(r.grammar is None and r.grammar_future is not None for r in self.waiting)
+            and all(self.kv.loading(r) or (r.grammar is None and r.grammar_future is not None)
+                    for r in self.waiting)
         )
 
     def take_errors(self) -> list[ErrorOut]:
@@ -206,6 +236,8 @@ class Scheduler:
         ready = []
         failed = []
         for req in self.waiting:
+            if self.kv.loading(req):  # its prefix is coming from disk
+                continue
             state = self.constraints.poll(req)
             if state == "ready":
                 ready.append(req)
@@ -214,6 +246,7 @@ class Scheduler:
                 self._errors.append(ErrorOut(rid=req.rid, message=state, status=400))
         for req in failed:
             self.waiting.remove(req)
+            self.kv.forget_waiting(req)
             req.finish_reason = FinishReason("abort")
             req.state = ReqState.FINISHED
             self.reqs.pop(req.rid, None)
@@ -247,6 +280,10 @@ class Scheduler:
             self._finish(req, finished)
         if self.policy.preemption:
             self._preempt_for_priority()
+        if self.kv.disk is not None and self.waiting:
+            self.kv.land_loads(self.waiting)
+            for req in self.waiting:
+                self.kv.prefetch(req)
 
         decodes = list(self.running)
         plan = self._plan_prefill(len(decodes))
@@ -307,6 +344,9 @@ class Scheduler:
                 if req.num_retractions == 0:
                     self.stats.prompt_tokens += req.prompt_len
                     self.stats.cached_tokens += req.cached_tokens or 0
+                    if self.tiers is not None and req.cached_by_tier:
+                        for tier, n in req.cached_by_tier.items():
+                            self.tiers.stats.cached_tokens[tier] += n
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return adder.plan.entries
@@ -440,6 +480,7 @@ class Scheduler:
                     "since_first_token": now - req.first_token_time if req.first_token_time else 0.0,
                 }
                 | ({"pin": req.pin_result} if req.pin_result is not None else {})
+                | ({"cached_tokens_details": req.cached_by_tier} if req.cached_by_tier else {})
             )
             if req.sent_init:
                 out.init.append(None)
@@ -476,7 +517,14 @@ class Scheduler:
         self.tree.reset()
         self.allocator.reset()
         self.pins.clear()
+        if self.tiers is not None and self.tiers.host_alloc is not None:
+            self.tiers.host_alloc.reset()
         return True
+
+    def close(self) -> None:
+        """Let queued disk-tier writes finish (bounded)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def start_profile(self) -> dict[str, Any]:
         """Profile the steps from now on (``profiling.py``); RuntimeError if already profiling."""
@@ -500,4 +548,6 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
         )
         d.update(self.constraints.stats())
+        if self.tiers is not None:
+            d.update(self.tiers.to_dict(), host_tree_tokens=self.tree.host_size())
         return d

@@ -78,6 +78,7 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.3)
+        self.stop()  # never leave a half-started server behind
         raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
 
     def children(self) -> list[psutil.Process]:
@@ -108,7 +109,11 @@ class ServerProcess:
 def serving(model: str, *flags: str) -> Iterator[ServerProcess]:
     """A ready server for ``model``, served as "tiny"; it must exit with code 0 when stopped."""
     srv = ServerProcess("--model", model, "--served-model-name", "tiny", *flags).wait_ready()
-    yield srv
+    try:
+        yield srv
+    except BaseException:
+        srv.stop()  # a failing test leaves no server behind
+        raise
     assert srv.stop() == 0, srv.log()
 
 
