@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.system_len, args.question_len, args.oneoff_len, args.rounds, args.burst = 96, 8, 96, 4, 3
         args.hot_pool = 320
         args.groups, args.per_group, args.group_system_len, args.group_pool, args.output_len = 4, 3, 64, 256, 2
-        args.convs, args.turns, args.doc_len, args.window = 12, 3, 64, 6
+        args.convs, args.turns, args.doc_len, args.window = 12, 3, 64, 2
         args.restart_system_len = 256
         args.swap_requests, args.swap_prompt_len, args.swap_output_len, args.swap_pool = 4, 48, 48, 256
         args.swap_high_len, args.swap_waves, args.swap_wave_size, args.swap_gap = 32, 2, 2, 0.3

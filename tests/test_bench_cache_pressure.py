@@ -7,7 +7,7 @@ import json
 
 
 def test_quick_cache_pressure_report(tmp_path, default_model_path) -> None:
-    from bench.cache_pressure import EVICTION_POLICIES, SCHEDULE_POLICIES, main
+    from bench.cache_pressure import EVICTION_POLICIES, SCHEDULE_POLICIES, TIER_CONFIGS, main
 
     out = tmp_path / "cache_pressure.json"
     report = main(["--quick", "--dtype", "float32", "--out", str(out)])
@@ -32,3 +32,18 @@ def test_quick_cache_pressure_report(tmp_path, default_model_path) -> None:
     targets = {t["target"]: t for t in report["targets"]}
     assert targets["hot-prefix slru agent hit rate >="]["value"] == hot["slru"]["agent_hit_rate"]
     assert targets["hot-prefix lru agent hit rate <="]["value"] == hot["lru"]["agent_hit_rate"]
+    # Tiers: the hits of turns 2+ come from the tier each config has, and only from it (the
+    # pool, a quarter of the working set, keeps almost nothing of a conversation between turns).
+    tiers = {r["policy"]: r for r in report["results"] if r["scenario"] == "tiers"}
+    assert set(tiers) == set(TIER_CONFIGS)
+    assert tiers["lru"]["cached_by_tier"]["host"] == tiers["lru"]["cached_by_tier"]["disk"] == 0
+    assert tiers["host"]["cached_by_tier"]["host"] > 0 and tiers["host"]["cached_by_tier"]["disk"] == 0
+    assert tiers["disk"]["cached_by_tier"]["disk"] > 0 and tiers["disk"]["cached_by_tier"]["host"] == 0
+    assert tiers["host"]["hit_rate"] > tiers["lru"]["hit_rate"] and tiers["disk"]["hit_rate"] > tiers["lru"]["hit_rate"]
+    # A restart on the folder the cold server wrote serves the whole system prompt from disk.
+    restart = {r["policy"]: r for r in report["results"] if r["scenario"] == "restart"}
+    assert restart["cold"]["cached_tokens"] == 0
+    assert restart["warm"]["cached_tokens"] == params["restart_system_len"]
+    assert restart["warm"]["cached_by_tier"]["disk"] == params["restart_system_len"]
+    pre = {r["policy"]: r for r in report["results"] if r["scenario"] == "preemption"}
+    assert set(pre) == {"recompute", "swap"} and pre["recompute"]["swapped_out_tokens"] == 0
