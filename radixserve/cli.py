@@ -163,7 +163,7 @@ _QUIET = {"log_level": "warning"}  # commands that print to the terminal keep IN
 def _build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="radixserve", description=_DESCRIPTION, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,cache,bench}")
     gen = sub.add_parser("generate", help="print a completion for one prompt",
                          description="Print a completion for one prompt, as it is generated.")
     gen.add_argument("prompt", help="the prompt (the chat template is applied for instruct models)")
@@ -183,8 +183,22 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
     chat.add_argument("--api-key", default=None, help="the server's API key, with --base-url (default: none)")
     add_server_args(chat, exclude=SERVER_ONLY, defaults=_QUIET)
+    cache = sub.add_parser("cache", help="a running server's cached prefixes and recent near-misses",
+                           description="Print a running server's heaviest cached prefixes (GET /cache/tree) "
+                                       "and its recent near-misses (GET /cache/misses).")
+    cache.add_argument("--url", default="http://127.0.0.1:30000", help="the server (default: http://127.0.0.1:30000)")
+    cache.add_argument("--sort", choices=("weight", "tokens"), default="weight",
+                       help="weight: tokens x hits of each prefix; tokens: tokens held below it (default: weight)")
+    cache.add_argument("--limit", type=int, default=10, help="prefixes to show (default: 10)")
+    cache.add_argument("--api-key", default=None, help="the server's API key (default: none)")
     sub.add_parser("bench", help="benchmarks: radixserve bench {serving,compare} --help", add_help=False)
     return parser
+
+
+def cmd_cache(ns: argparse.Namespace) -> int:
+    from radixserve.cache_report import print_cache_report
+
+    return print_cache_report(ns.url, ns.sort, ns.limit, ns.api_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     ns = _build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat}
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "cache": cmd_cache}
     try:
         return commands[ns.command](ns)
     except (ValueError, FileNotFoundError) as e:  # the user's input: one line, exit 2

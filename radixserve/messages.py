@@ -118,6 +118,7 @@ class GenerateReq:
     priority: int = 0  # level for ``--schedule-policy priority``
     pin: bool = False  # when it finishes, pin its cached prompt (scheduler/pins.py)
     pin_ttl: float | None = None  # seconds the pin lasts; None: until unpinned
+    return_cache_report: bool = False  # meta carries where the prefix match stopped (cache/tree_view.py)
 
 
 @message("abort")
@@ -128,7 +129,8 @@ class AbortReq:
 @message("control")
 class ControlReq:
     """``command``: ``stats`` | ``flush_cache`` | ``check_memory`` | ``start_profile`` |
-    ``stop_profile`` | ``pins`` | ``unpin``; answered by ControlOut."""
+    ``stop_profile`` | ``pins`` | ``unpin`` | ``cache_tree`` | ``cache_misses``; answered by
+    ControlOut."""
 
     cid: str
     command: str

@@ -37,7 +37,7 @@ ROUTES = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions",
           "GET /health", "GET /health_generate", "GET /get_server_info", "GET /server_info",
           "POST /flush_cache", "POST /abort_request", "GET /metrics", "GET /get_model_info", "GET /model_info",
           "POST /apply_chat_template", "POST /concate_and_append_request", "POST /cache/pin",
-          "POST /cache/unpin"}
+          "POST /cache/unpin", "GET /cache/tree", "GET /cache/misses"}
 
 
 @pytest.fixture(scope="module")

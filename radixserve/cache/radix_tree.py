@@ -44,6 +44,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn
 
@@ -61,7 +62,7 @@ class TreeNode:
     """One run of tokens and their KV slots. The root has an empty key."""
 
     __slots__ = ("children", "parent", "key_bytes", "value", "lock_ref", "pin_ref", "last_access",
-                 "hits", "id", "tier")
+                 "hits", "id", "tier", "touched")
 
     def __init__(self, parent: TreeNode | None, key_bytes: bytes, value: np.ndarray, tier: str = DEVICE) -> None:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
@@ -74,6 +75,7 @@ class TreeNode:
         self.last_access = 0
         self.hits = 0  # admissions that reused this node
         self.id = next(_node_ids)
+        self.touched = time.monotonic()  # wall clock of last_access (for people: /cache/tree)
 
     @property
     def key(self) -> np.ndarray:
@@ -184,6 +186,7 @@ class RadixCache:
         self._host = 0
         self._num_nodes = 0  # excluding the roots
         self._clock = 0
+        self.split_by_last_walk = False  # the latest match ended inside a node's run
         self._heap: list[tuple[tuple[int, ...], int, TreeNode]] = []  # device leaves
         self._host_heap: list[tuple[int, int, TreeNode]] = []  # host leaves, LRU
 
@@ -270,6 +273,7 @@ class RadixCache:
         upper.lock_ref = child.lock_ref
         upper.pin_ref = child.pin_ref
         upper.last_access = child.last_access
+        upper.touched = child.touched
         upper.hits = child.hits
         parent.children[self._child_key(child.key_bytes, 0)] = upper
         child.key_bytes = child.key_bytes[cut:]
@@ -289,6 +293,8 @@ class RadixCache:
         """
         n_tokens = len(key_bytes) // _ITEM
         node, pos = root, 0
+        wall = time.monotonic()
+        self.split_by_last_walk = False
         while pos < n_tokens:
             child = node.children.get(self._child_key(key_bytes, pos))
             if child is None:
@@ -308,7 +314,9 @@ class RadixCache:
                 )
                 matched = common - common % self.page_size  # >= 1 page: the first page matched
                 child = self._split(child, matched)
+                self.split_by_last_walk = True
             child.last_access = now
+            child.touched = wall
             if path is not None:
                 path.append(child)
             node, pos = child, pos + matched

@@ -175,7 +175,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "finish_reason": _finish_reason(r["meta_info"], has_calls),
             })
         usage = usage_dict(len(ids), sum(r["meta_info"]["completion_tokens"] for r in merged),
-                       merged[0]["meta_info"]["cached_tokens"])
+                           merged[0]["meta_info"]["cached_tokens"], merged[0]["meta_info"].get("cache_report"))
         return JSONBytesResponse({"id": cid, "object": "chat.completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
@@ -197,6 +197,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         held: list[tuple[list[int], list[float], list[Any]]] = [([], [], []) for _ in range(n)]
         started = set()
         completion, cached = 0, 0
+        report: dict[str, Any] | None = None
         async for i, piece in fan_in(streams(True)):
             if i not in started:
                 started.add(i)
@@ -227,9 +228,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             if finished:
                 completion += meta["completion_tokens"]
                 if i == 0:
-                    cached = meta["cached_tokens"]
+                    cached, report = meta["cached_tokens"], meta.get("cache_report")
         if include_usage:
-            yield chunk([], usage_dict(len(ids), completion, cached))
+            yield chunk([], usage_dict(len(ids), completion, cached, report))
         yield b"data: [DONE]\n\n"
 
     return await start_stream(gen())

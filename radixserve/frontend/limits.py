@@ -41,7 +41,7 @@ MAX_HEADER_COUNT = 100  # as Apache's LimitRequestFields
 # that heads up to this size, however the network splits them, are answered 431 here.
 MAX_INCOMPLETE_HEAD_BYTES = 2 * MAX_HEADER_BYTES
 RETRY_AFTER_S = 1
-OPEN_PATHS = frozenset({"/health"})  # answered without an API key
+OPEN_PATHS = frozenset({"/health", "/cache"})  # answered without an API key (the page holds no data)
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 _DEPTH_CHUNK = 1 << 20  # brackets summed per numpy step: bounded temporary memory
 

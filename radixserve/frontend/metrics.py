@@ -31,6 +31,8 @@ class _SchedulerCollector(Collector):
              "running requests retracted for a waiting one of higher priority"),
             ("radixserve:evicted_tokens", "evicted_tokens", "tokens evicted from the radix tree"),
             ("radixserve:prefill_tokens_computed", "prefill_tokens_computed", "prompt tokens computed (not served from the cache)"),
+            ("radixserve:cache_near_misses", "near_misses",
+             "requests whose prefix match stopped inside a long cached sequence (GET /cache/misses)"),
         ):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         page = s.get("page_size", 1) or 1

@@ -54,7 +54,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     if len(keys) != n:
         raise APIError(f"{len(keys)} extra_key values for {n} prompts", 400, param="extra_key")
     try:
-        hints = [SchedulingHints(k or "", body.priority or 0) for k in keys]
+        hints = [SchedulingHints(k or "", body.priority or 0, cache_report=body.return_cache_report) for k in keys]
     except InvalidRequestError as e:
         raise APIError(str(e), 400, param="extra_key") from None
     prepared = []

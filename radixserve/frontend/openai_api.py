@@ -114,7 +114,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             "finish_reason": finish_type(r["meta_info"]),
         } for i, r in enumerate(results)]
         cached = sum(results[k * body.n]["meta_info"]["cached_tokens"] for k in range(len(prepared)))
-        usage = usage_dict(prompt_tokens, sum(r["meta_info"]["completion_tokens"] for r in results), cached)
+        usage = usage_dict(prompt_tokens, sum(r["meta_info"]["completion_tokens"] for r in results), cached,
+                           results[0]["meta_info"].get("cache_report"))
         return JSONBytesResponse({"id": cid, "object": "text_completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
@@ -128,6 +129,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     async def gen() -> AsyncIterator[bytes]:
         completion, cached = 0, 0
+        report: dict[str, Any] | None = None
         sent_echo: set[int] = set()
         text_pos = [0] * len(jobs)  # characters of choice i's text sent so far
         # Per choice, logprobs not sent yet: a piece whose text is held back (a character
@@ -158,8 +160,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 completion += piece["meta_info"]["completion_tokens"]
                 if i % body.n == 0:
                     cached += piece["meta_info"]["cached_tokens"]
+                if i == 0:
+                    report = piece["meta_info"].get("cache_report")
         if include_usage:
-            yield chunk([], usage_dict(prompt_tokens, completion, cached))
+            yield chunk([], usage_dict(prompt_tokens, completion, cached, report))
         yield b"data: [DONE]\n\n"
 
     return await start_stream(gen())

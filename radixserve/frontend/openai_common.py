@@ -46,13 +46,17 @@ def params_per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
             for i in range(n)]
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int,
+               cache_report: dict[str, Any] | None = None) -> dict[str, Any]:
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if cache_report is not None:  # return_cache_report (an extension)
+        usage["cache_report"] = cache_report
+    return usage
 
 
 async def fan_in(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, Any]]:

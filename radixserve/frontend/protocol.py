@@ -111,6 +111,8 @@ class _SamplingFields(RequestBody):
     # Cache namespace (vLLM's name): prefixes are shared only with requests of the same salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_EXTRA_KEY_CHARS)
     priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
+    # usage.cache_report: where the prompt's prefix match stopped (the first prompt's)
+    return_cache_report: StrictBool = False
     # Constrained decoding: at most one of response_format (other than text), regex, ebnf,
     # json_schema.  regex and ebnf use xgrammar's dialects; the grammar backend checks them.
     response_format: ResponseFormat | None = None
@@ -198,7 +200,7 @@ class _SamplingFields(RequestBody):
 
     def hints(self) -> SchedulingHints:
         """The cache namespace and priority level of this request."""
-        return SchedulingHints(self.cache_salt or "", self.priority or 0)
+        return SchedulingHints(self.cache_salt or "", self.priority or 0, cache_report=self.return_cache_report)
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling_params for this body (None values mean "default")."""
@@ -417,6 +419,8 @@ class GenerateRequest(RequestBody):
     # Cache namespace (one, or one per prompt of a batch); what cache_salt is on /v1 routes.
     extra_key: str | list[str | None] | None = None
     priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
+    # meta_info.cache_report: where the prefix match stopped and what the cache held from there
+    return_cache_report: StrictBool = False
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None

@@ -28,6 +28,7 @@ from fastapi import FastAPI
 
 from radixserve.config import ServerArgs
 from radixserve.frontend.cache_api import router as cache_router
+from radixserve.frontend.cache_views import router as cache_views_router
 from radixserve.frontend.chat_api import router as chat_router
 from radixserve.frontend.errors import install_error_handlers
 from radixserve.frontend.limits import MAX_INCOMPLETE_HEAD_BYTES, install_limits
@@ -87,6 +88,7 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any], toke
     app.include_router(chat_router)
     app.include_router(native_router)
     app.include_router(cache_router)
+    app.include_router(cache_views_router)
 
     # The front end admits as many generation requests as the scheduler may hold (running
     # plus queued); beyond that a flood is refused before bodies are read or tokenized.

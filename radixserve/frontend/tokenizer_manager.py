@@ -54,13 +54,15 @@ class SchedulingHints:
     cached prefixes are shared only between requests with the same key; "" (none) is a
     namespace of its own.  ``priority``: the level used by ``--schedule-policy priority``.
     ``pin``: pin the prompt's cached path when the request finishes (``POST /cache/pin``), for
-    ``pin_ttl`` seconds (None: until unpinned).
+    ``pin_ttl`` seconds (None: until unpinned).  ``cache_report``: ``meta_info.cache_report``
+    says where the prompt's prefix match stopped and what the cache held from there.
     """
 
     extra_key: str = ""
     priority: int = 0
     pin: bool = False
     pin_ttl: float | None = None
+    cache_report: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.extra_key, str) or len(self.extra_key) > MAX_EXTRA_KEY_CHARS:
@@ -71,6 +73,17 @@ class SchedulingHints:
                                       400)
         if self.pin_ttl is not None and not (isinstance(self.pin_ttl, (int, float)) and 0 < self.pin_ttl < 1e9):
             raise InvalidRequestError(f"ttl must be a positive number of seconds, got {self.pin_ttl!r}", 400)
+
+
+def decode_divergence(tokenizer: Any, report: dict[str, Any]) -> dict[str, Any]:
+    """A cache report or near-miss with its token ids decoded: ``context`` (the text just
+    before the stop), ``request_next`` and ``cached_next`` (the two ways on from it)."""
+    out = dict(report)
+    for ids_key, text_key in (("before_ids", "context"), ("request_ids", "request_next"),
+                              ("cached_ids", "cached_next")):
+        if ids_key in out:
+            out[text_key] = tokenizer.decode(out[ids_key], skip_special_tokens=False)
+    return out
 
 
 # A stream whose consumer leaves more pieces than this unread is "behind"; behind for longer
@@ -195,6 +208,7 @@ class TokenizerManager:
             priority=hints.priority,
             pin=hints.pin,
             pin_ttl=None if hints.pin_ttl is None else float(hints.pin_ttl),
+            return_cache_report=hints.cache_report,
         )
         finished = False  # the scheduler sent this request's terminal row
         try:
@@ -288,6 +302,8 @@ class TokenizerManager:
             finished = msg.finished[i]
             meta["id"] = state.rid
             meta["finish_reason"] = finished
+            if "cache_report" in meta:
+                meta["cache_report"] = decode_divergence(self.tokenizer, meta["cache_report"])
             if state.first_token_at is not None:
                 meta["ttft"] = state.first_token_at - state.created
             if finished is not None:

@@ -18,6 +18,7 @@ from radixserve.cache.allocator import PageAllocator
 from radixserve.cache.radix_tree import DEVICE, HOST, RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.cache.tiers import DiskLoad, ReqTiers, TierManager
+from radixserve.cache.tree_view import divergence
 from radixserve.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,10 @@ class KVManager:
         if row is None:
             return False
         result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.extra_key)
+        deepest = result.host_nodes[-1] if result.host_nodes else result.node
+        if req.cached_tokens is None and (deepest.children or req.return_cache_report):
+            req.divergence = divergence(deepest, len(result.slots) + result.host_len, req.tokens(0),
+                                        self.tree.split_by_last_walk)
         slots, node, promoted = result.slots, result.node, 0
         if result.host_nodes:
             slots, node, promoted = self._promote(result.slots, result.node, result.host_nodes, page_budget)

@@ -11,6 +11,7 @@ from typing import Any
 import zmq
 
 from radixserve import messages as m
+from radixserve.cache.tree_view import summary_rows
 from radixserve.config import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,14 @@ def _handle(sched: Any, msg: Any, send: zmq.Socket) -> None:
         elif msg.command == "unpin":
             result = {"unpinned": sched.pins.unpin(msg.args.get("pin_id"), msg.args.get("input_ids"),
                                                    msg.args.get("extra_key") or "")}
+        elif msg.command == "cache_tree":
+            try:
+                result = summary_rows(sched.tree, msg.args.get("sort", "weight"), msg.args.get("depth"),
+                                 msg.args.get("limit", 50))
+            except ValueError as e:
+                result = {"error": str(e)}
+        elif msg.command == "cache_misses":
+            result = {"near_misses": list(sched.near_misses), "total": sched.stats.near_misses}
         elif msg.command in ("start_profile", "stop_profile"):
             try:
                 result = sched.start_profile() if msg.command == "start_profile" else sched.stop_profile()

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from radixserve.cache.radix_tree import TreeNode
     from radixserve.cache.tiers import ReqTiers
+    from radixserve.cache.tree_view import Divergence
     from radixserve.grammar import RequestGrammar
     from radixserve.sampling import SamplingParams
     from radixserve.scheduler.prompt_logprobs import PromptLogprobs
@@ -104,6 +105,8 @@ class Req:
         self.tiers: ReqTiers | None = None  # disk blocks and loads (cache/tiers)
         # Its swapped-out KV, or the host nodes a disk load brought for it: locked while it waits.
         self.swap_hold: TreeNode | None = None
+        self.return_cache_report = False
+        self.divergence: Divergence | None = None  # where its first match stopped (cache/tree_view.py)
         self.admit_seq = 0  # order of admission, for retraction (latest first)
         self.sent_len = 0  # output tokens already sent to the detokenizer
         self.sent_init = False

@@ -39,6 +39,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 MAX_AUTO_POOL_TOKENS = 1 << 17
+NEAR_MISS_RING = 64  # recent near-misses kept for /cache/misses
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -114,6 +115,7 @@ class Scheduler:
         self._admit_counter = 0
         self._step_counter = 0
         self._errors: list[ErrorOut] = []
+        self.near_misses: deque[dict[str, Any]] = deque(maxlen=NEAR_MISS_RING)
         self._aborted: list[Req] = []
         self._last_forward_s = 0.0
 
@@ -171,6 +173,7 @@ class Scheduler:
         req = Req(msg.rid, ids, params, msg.seed, msg.return_logprob, msg.top_logprobs_num, msg.stream,
                   extra_key=msg.extra_key, priority=msg.priority)
         req.pin, req.pin_ttl = msg.pin, msg.pin_ttl
+        req.return_cache_report = msg.return_cache_report
         req.prompt_logprobs = prompt_lp
         try:
             self.constraints.on_arrival(req)
@@ -344,12 +347,22 @@ class Scheduler:
                 if req.num_retractions == 0:
                     self.stats.prompt_tokens += req.prompt_len
                     self.stats.cached_tokens += req.cached_tokens or 0
+                    if req.divergence is not None and req.divergence.near_miss:
+                        self._near_miss(req)
                     if self.tiers is not None and req.cached_by_tier:
                         for tier, n in req.cached_by_tier.items():
                             self.tiers.stats.cached_tokens[tier] += n
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return adder.plan.entries
+
+    def _near_miss(self, req: Req) -> None:
+        """Its match stopped inside a long cached sequence: keep the spot for people to see
+        (``/cache/misses``; a re-rendered chat history is the usual cause)."""
+        assert req.divergence is not None
+        self.stats.near_misses += 1
+        self.near_misses.append({"rid": req.rid, "time": time.time(), "salted": bool(req.extra_key),
+                                 "prompt_tokens": req.prompt_len, **req.divergence.to_dict()})
 
     def _run_forward(self, entries: list[tuple[Req, int]], has_prefill: bool, finished: list[Req]) -> None:
         t0 = time.perf_counter()
@@ -481,6 +494,7 @@ class Scheduler:
                 }
                 | ({"pin": req.pin_result} if req.pin_result is not None else {})
                 | ({"cached_tokens_details": req.cached_by_tier} if req.cached_by_tier else {})
+                | ({"cache_report": self._cache_report(req)} if req.return_cache_report else {})
             )
             if req.sent_init:
                 out.init.append(None)
@@ -501,6 +515,13 @@ class Scheduler:
             if req.finished:
                 self.reqs.pop(req.rid, None)
         return out
+
+    @staticmethod
+    def _cache_report(req: Req) -> dict[str, Any]:
+        report: dict[str, Any] = {"cached_tokens": req.cached_tokens or 0}
+        if req.divergence is not None:
+            report.update(req.divergence.to_dict())
+        return report
 
     # ---- control -----------------------------------------------------------------------
     def live_requests(self) -> list[Req]:

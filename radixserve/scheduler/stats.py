@@ -22,6 +22,7 @@ class SchedulerStats:
     retractions: int = 0
     priority_preemptions: int = 0  # retractions of lower-priority requests (--priority-preemption)
     evicted_tokens: int = 0
+    near_misses: int = 0  # first matches that stopped inside a long cached sequence
     forward_seconds: float = 0.0  # model forward + sampling
     step_seconds: float = 0.0  # whole steps (forward included)
     # Per batch-size bucket (power of two of running requests) of decode-only steps:
