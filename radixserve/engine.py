@@ -82,6 +82,7 @@ class Engine:
         logprob_start_len: int = -1,
         extra_key: str | list[str | None] | None = None,
         priority: int = 0,
+        return_cache_report: bool = False,
     ) -> tuple[bool, list[Job]]:
         """Validate every request of the call up front; ValueError names the bad one."""
         if prompt is None and input_ids is None:
@@ -115,7 +116,7 @@ class Engine:
         for i, (p, ids, sp, key) in enumerate(zip(prompts, ids_list, params_list, keys, strict=True)):
             try:
                 ids, params = self.tm.prepare(p, ids, sp, logprob_start_len)
-                prepared.append(Job(ids, params, SchedulingHints(key or "", priority)))
+                prepared.append(Job(ids, params, SchedulingHints(key or "", priority, cache_report=return_cache_report)))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if batched else str(e)) from None
         return batched, prepared
@@ -163,6 +164,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         extra_key: str | list[str | None] | None = None,
         priority: int = 0,
+        return_cache_report: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts, in input order).
 
@@ -185,9 +187,11 @@ class Engine:
         ``extra_key`` (one, or one per prompt): the cache namespace (the HTTP routes'
         ``cache_salt``); cached prefixes are shared only between requests with the same key.
         ``priority``: the level used by ``schedule_policy="priority"``.
+        ``return_cache_report`` adds ``meta_info.cache_report``: where the prompt's prefix match
+        stopped, and the request's and the cache's text from there (as ``/generate``).
         """
         batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len,
-                                            extra_key, priority)
+                                            extra_key, priority, return_cache_report)
         lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
         if stream:
             if batched:

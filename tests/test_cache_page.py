@@ -48,6 +48,7 @@ def test_cache_page_draws_the_tree_in_headless_chromium(tiny_chat_model: str, tm
         locked = chromium(server.base_url + "/cache", "--dump-dom", tmp=tmp_path)
         assert locked.returncode == 0, locked.stderr[-2000:]
         assert "an API key is needed" in locked.stdout and 'data-drawn="1"' not in locked.stdout
+        assert not console_lines(locked.stderr, server.base_url), console_lines(locked.stderr, server.base_url)
 
         drawn = chromium(f"{server.base_url}/cache#key={KEY}", "--dump-dom", tmp=tmp_path)
         assert drawn.returncode == 0, drawn.stderr[-2000:]

@@ -193,8 +193,10 @@ def test_pin_keeps_a_prefix_and_unpin_releases_it(engine) -> None:
     assert engine.check_memory()["pinned_tokens"] == pin["tokens"]
     # A chat request with that system prompt reads it from the tree.
     chat = engine.apply_chat_template(msgs + [{"role": "user", "content": "Where is Rome?"}])
-    out = engine.generate(chat, {"max_new_tokens": 1})
+    out = engine.generate(chat, {"max_new_tokens": 1}, return_cache_report=True)
     assert out["meta_info"]["cached_tokens"] >= pin["tokens"] - page
+    report = out["meta_info"]["cache_report"]
+    assert report["cached_tokens"] == out["meta_info"]["cached_tokens"] and report["request_next"]
     salted = engine.pin(messages=msgs, extra_key="tenant-x")  # its own copy in its namespace
     assert salted["cache_salt"] == "tenant-x" and salted["pin_id"] != pin["pin_id"]
     assert engine.unpin(messages=msgs, extra_key="tenant-x") == [salted["pin_id"]]
