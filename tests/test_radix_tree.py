@@ -1089,7 +1089,6 @@ class TieredRadixModel(RuleBasedStateMachine):
         dev, host = peek(self.tree, key, ns)
         r, device = self.t.promote(key, ns, budget)
         n = len(device)
-        assert n <= host and (budget is None or n <= budget * self.p)
         assert peek(self.tree, key, ns) == (dev + n, host - n)  # the locked path stayed put
         self.consistent()  # before the match below touches (and re-queues) the path
         after = self.matched(key, ns)

@@ -88,9 +88,14 @@ class KVManager:
             return False
         result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.extra_key)
         deepest = result.host_nodes[-1] if result.host_nodes else result.node
-        if req.cached_tokens is None and (deepest.children or req.return_cache_report):
-            req.divergence = divergence(deepest, len(result.slots) + result.host_len, req.tokens(0),
-                                        self.tree.split_by_last_walk)
+        # Where the match stopped matters for a near-miss (a match that split a cached run) or
+        # a report asked for.  An earlier attempt to admit the request may have made the split.
+        split = self.tree.split_by_last_walk
+        if req.cached_tokens is None and (split or req.return_cache_report):
+            position = len(result.slots) + result.host_len
+            earlier = req.divergence
+            inside = split or (earlier is not None and earlier.inside_run and earlier.position == position)
+            req.divergence = divergence(deepest, position, req.tokens(0), inside)
         slots, node, promoted = result.slots, result.node, 0
         if result.host_nodes:
             slots, node, promoted = self._promote(result.slots, result.node, result.host_nodes, page_budget)
@@ -254,8 +259,16 @@ class KVManager:
         new = [i for i in range(state.stored, len(names)) if names[i] not in self.disk]
         if new:
             slots = np.concatenate([row_slots[i * bt : (i + 1) * bt] for i in new])
-            kv = self.tiers.device_pool.gather(slots).cpu()  # [2, layers, n * bt, heads, dim]
-            self.disk.write([names[i] for i in new], [kv[:, :, j * bt : (j + 1) * bt] for j in range(len(new))])
+            kv = self.tiers.device_pool.gather(slots)  # [2, layers, n * bt, heads, dim]
+            ready = None
+            if kv.is_cuda:  # off the device without waiting: the I/O thread waits for the copy
+                host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                host.copy_(kv, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                kv = host
+            self.disk.write([names[i] for i in new], [kv[:, :, j * bt : (j + 1) * bt] for j in range(len(new))],
+                            ready)
         self.disk.touch(names)
         state.stored = len(names)
 

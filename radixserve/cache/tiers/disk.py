@@ -124,14 +124,15 @@ class DiskStore:
             n += 1
         return n
 
-    def write(self, names: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
-        """Store blocks (CPU tensors of ``block_shape``) in the background."""
+    def write(self, names: Sequence[bytes], blocks: Sequence[torch.Tensor], ready: Any = None) -> None:
+        """Store blocks (CPU tensors of ``block_shape``) in the background; ``ready``: a CUDA
+        event the blocks' copy off the GPU completes (waited for on the I/O thread).  The
+        caller touches the prefix's names (:meth:`touch`)."""
         for name, block in zip(names, blocks, strict=True):
             if name in self._index:
                 continue
             self._index[name] = None
-            self._io.submit(self._write_file, name, block)
-        self.touch(names)
+            self._io.submit(self._write_file, name, block, ready)
         self._trim()
 
     def load(self, names: Sequence[bytes]) -> Future[LoadResult]:
@@ -163,7 +164,9 @@ class DiskStore:
             self._io.submit(self._path(name).unlink, True)
 
     # ---- on the I/O thread -------------------------------------------------------------
-    def _write_file(self, name: bytes, block: torch.Tensor) -> None:
+    def _write_file(self, name: bytes, block: torch.Tensor, ready: Any = None) -> None:
+        if ready is not None:
+            ready.synchronize()
         payload = block.contiguous().view(torch.uint8).numpy()
         digest = hashlib.blake2b(payload, digest_size=16).digest()
         path = self._path(name)
