@@ -40,6 +40,7 @@ _HELP = {
     "disk_cache_size": "disk KV tier size in tokens",
     "radix_eviction_policy": "prefix-cache eviction: lru, lfu, or slru (a prefix hit twice outlives one-off prompts)",
     "disable_radix_cache": "turn the prefix cache off",
+    "tp_size": "tensor parallelism: split the model over N processes (gloo on a CPU, NCCL over N GPUs)",
     "context_length": "longest sequence (default: the model's max_position_embeddings)",
     "random_seed": "seed of the seeds drawn for requests that give none",
     "stream_interval": "send streamed tokens every N steps",

@@ -60,6 +60,7 @@ class ServerArgs:
     disk_cache_dir: str | None = None  # disk KV tier folder (survives restarts); None: none
     disk_cache_size: int = 1_000_000  # disk KV tier in tokens
     disable_radix_cache: bool = False
+    tp_size: int = 1  # tensor-parallel ranks (processes), each with a shard of the model and KV
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
     stream_interval: int = 1  # send streamed tokens every N decode steps
@@ -119,6 +120,12 @@ class ServerArgs:
         if self.disable_radix_cache and (self.host_cache_size or self.disk_cache_dir):
             raise ValueError("host and disk KV tiers hold the prefix cache: they need it on "
                              "(drop --disable-radix-cache)")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if self.tp_size > 1 and (self.host_cache_size or self.disk_cache_dir or self.preemption_mode == "swap"):
+            raise ValueError("host and disk KV tiers and swap preemption copy KV pages that tensor "
+                             "parallelism splits over its ranks: they are not available with "
+                             "tp_size > 1")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError("max_pinned_fraction must be in [0, 1]")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
@@ -173,6 +180,11 @@ class ServerArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if on_gpu else "torch"
+        if on_gpu and self.tp_size > 1 and device != "cuda":
+            raise ValueError(f"with tp_size > 1 the device is cuda (rank r runs on cuda:r), not {device!r}")
+        if on_gpu and self.tp_size > torch.cuda.device_count():
+            raise ValueError(f"tp_size {self.tp_size} needs as many GPUs; "
+                             f"{torch.cuda.device_count()} are visible")
         page_size = self.page_size or (16 if on_gpu else 1)
         chunk = self.chunked_prefill_size or (8192 if on_gpu else 1024)
         return dataclasses.replace(

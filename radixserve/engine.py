@@ -69,7 +69,7 @@ class Engine:
             dead = self.procs.dead_process()
             if dead:
                 logger.error("%s; the engine fails in-flight and later requests and stops "
-                             "its other process", dead)
+                             "its other processes", dead)
                 self.tm.fail_all(f"the engine is down: {dead}")
                 await asyncio.get_running_loop().run_in_executor(None, self.procs.shutdown)
                 return

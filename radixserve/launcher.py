@@ -85,8 +85,10 @@ class ProcessGroup:
         self._shutdown_lock = threading.Lock()  # a watchdog thread and the owner may both stop us
 
     def start(self) -> dict[str, Any]:
-        """Start both processes; return the scheduler's model info once both are ready."""
+        """Start the processes (with ``tp_size > 1``, one more per extra tensor-parallel rank);
+        return the scheduler's model info once all are ready."""
         from radixserve.detokenizer import run_detokenizer_process
+        from radixserve.distributed.worker import run_tp_worker_process
         from radixserve.scheduler.process import run_scheduler_process
 
         _check_can_start_children()
@@ -94,14 +96,25 @@ class ProcessGroup:
         tokenizer_path = self.args.tokenizer or self.model_path
         sched_r, sched_w = ctx.Pipe(duplex=False)
         detok_r, detok_w = ctx.Pipe(duplex=False)
+        # The key is the HTTP front end's business only: the scheduler never holds it.
+        model_args = dataclasses.replace(self.args, api_key=None)
         self.procs["scheduler"] = ctx.Process(
             target=run_scheduler_process,
-            # The key is the HTTP front end's business only: the scheduler never holds it.
-            args=(dataclasses.replace(self.args, api_key=None), self.model_path, self.paths.scheduler,
-                  self.paths.detokenizer, sched_w),
+            args=(model_args, self.model_path, self.paths.scheduler, self.paths.detokenizer, sched_w,
+                  self.paths.folder),
             name="radixserve-scheduler",
             daemon=True,
         )
+        rank_pipes = {}
+        for rank in range(1, self.args.tp_size):
+            name = f"tensor-parallel rank {rank}"
+            rank_pipes[name], rank_w = ctx.Pipe(duplex=False)
+            self.procs[name] = ctx.Process(
+                target=run_tp_worker_process,
+                args=(model_args, self.model_path, rank, self.paths.folder, rank_w),
+                name=f"radixserve-tp-rank-{rank}",
+                daemon=True,
+            )
         self.procs["detokenizer"] = ctx.Process(
             target=run_detokenizer_process,
             args=(tokenizer_path, self.paths.detokenizer, self.paths.frontend, detok_w, self.args.log_level),
@@ -112,26 +125,33 @@ class ProcessGroup:
             with _user_main_hidden():
                 for proc in self.procs.values():
                     proc.start()
-            self.info = self._wait_ready("scheduler", sched_r)
-            self._wait_ready("detokenizer", detok_r)
+            self.info = self._wait_ready({"scheduler": sched_r, "detokenizer": detok_r, **rank_pipes})["scheduler"]
         except BaseException:
             self.shutdown()
             raise
         self.info["tokenizer_path"] = tokenizer_path
         return self.info
 
-    def _wait_ready(self, name: str, pipe: Any) -> dict[str, Any]:
+    def _wait_ready(self, pipes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each process's ready payload; the first start-up error (or death) of any fails it."""
         deadline = time.monotonic() + self.args.startup_timeout
-        proc = self.procs[name]
-        while time.monotonic() < deadline:
-            if pipe.poll(0.2):
-                status, payload = pipe.recv()
-                if status == "ready":
-                    return payload
-                raise RuntimeError(payload)
-            if not proc.is_alive():
-                raise RuntimeError(f"{name} process exited with code {proc.exitcode} during start-up")
-        raise RuntimeError(f"{name} process not ready after {self.args.startup_timeout} s")
+        ready: dict[str, dict[str, Any]] = {}
+        while len(ready) < len(pipes):
+            if time.monotonic() > deadline:
+                late = [name for name in pipes if name not in ready]
+                raise RuntimeError(f"{', '.join(late)} not ready after {self.args.startup_timeout} s")
+            for name, pipe in pipes.items():
+                if name in ready:
+                    continue
+                if pipe.poll(0.05):
+                    status, payload = pipe.recv()
+                    if status != "ready":
+                        raise RuntimeError(payload)
+                    ready[name] = payload
+                elif not self.procs[name].is_alive():
+                    raise RuntimeError(f"{name} process exited with code {self.procs[name].exitcode} "
+                                       "during start-up")
+        return ready
 
     def dead_process(self) -> str | None:
         """Name and exit code of a process that died, if any."""

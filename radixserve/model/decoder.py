@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.attention.base import AttentionLayerInfo
+from radixserve.distributed.group import SINGLE, TensorParallel
+from radixserve.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, fused_ops
@@ -37,14 +39,21 @@ class ArchSpec:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ArchSpec, layer_id: int) -> None:
+    """With tensor parallelism this rank holds query heads ``[qs, qe)`` and KV heads
+    ``[ks, ke)`` (``TensorParallel.head_ranges``); ``info`` describes the local heads."""
+
+    def __init__(self, config: ModelConfig, spec: ArchSpec, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
-        h, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        d = config.head_dim
+        (qs, qe), (ks, ke) = tp.head_ranges(config.num_heads, config.num_kv_heads)
+        h, kv = qe - qs, ke - ks
         self.q_size, self.kv_size = h * d, kv * d
+        full_q, full_kv = config.num_heads * d, config.num_kv_heads * d
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": h * d, "k": kv * d, "v": kv * d}, bias=spec.qkv_bias
+            config.hidden_size, {"q": full_q, "k": full_kv, "v": full_kv}, bias=spec.qkv_bias,
+            parts={"q": (qs * d, qe * d), "k": (ks * d, ke * d), "v": (ks * d, ke * d)},
         )
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=spec.o_bias)
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, spec.o_bias, tp, (qs * d, qe * d))
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.info = AttentionLayerInfo(layer_id, h, kv, d, d**-0.5)
@@ -67,17 +76,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+    """With tensor parallelism this rank holds intermediate columns ``[start, end)``."""
+
+    def __init__(self, config: ModelConfig, spec: ArchSpec, tp: TensorParallel) -> None:
         super().__init__()
         if config.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
         self.act = _ACTIVATIONS[config.hidden_act]
-        inter = config.intermediate_size
-        self.inter = inter
+        full = config.intermediate_size
+        part = tp.split(full, "MLP columns")
+        self.inter = part[1] - part[0]
         self.gate_up_proj = MergedLinear(
-            config.hidden_size, {"gate": inter, "up": inter}, bias=spec.mlp_bias
+            config.hidden_size, {"gate": full, "up": full}, bias=spec.mlp_bias,
+            parts={"gate": part, "up": part},
         )
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(full, config.hidden_size, spec.mlp_bias, tp, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -89,12 +102,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ArchSpec, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, spec: ArchSpec, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, spec, layer_id)
+        self.self_attn = Attention(config, spec, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, spec)
+        self.mlp = MLP(config, spec, tp)
 
     def forward(
         self,
@@ -116,11 +129,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+    def __init__(self, config: ModelConfig, spec: ArchSpec, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, i) for i in range(config.num_layers)
+            DecoderLayer(config, spec, i, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,19 +146,24 @@ _FUSED = [
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head.  Subclasses set :attr:`spec` (and may derive it from the HF config)."""
+    """Decoder + LM head.  Subclasses set :attr:`spec` (and may derive it from the HF config).
+
+    ``tp``: this process's rank of a tensor-parallel group (:mod:`radixserve.distributed`); it
+    builds only its shard, and its forward returns the logits on rank 0 only.
+    """
 
     spec = ArchSpec()
 
-    def __init__(self, config: ModelConfig, hf_config: Any = None) -> None:
+    def __init__(self, config: ModelConfig, hf_config: Any = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         spec = self.arch_spec(hf_config)
-        self.model = DecoderModel(config, spec)
+        self.model = DecoderModel(config, spec, tp)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
 
     @classmethod
@@ -156,10 +174,16 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank stores (all of them without tensor parallelism)."""
+        return self.model.layers[0].self_attn.info.num_kv_heads
+
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Float32 logits ``[B + E, vocab]``: each request's last new token, then the E extra
-        rows ``fb.extra_logits_indices`` (none unless a request asked for prompt logprobs)."""
+        rows ``fb.extra_logits_indices`` (none unless a request asked for prompt logprobs).
+        None on tensor-parallel ranks other than 0."""
         residual = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.cos_sin(fb.positions, residual.dtype)
         delta = None
@@ -168,7 +192,7 @@ class CausalLM(nn.Module):
         # Only the rows the sampler (and prompt logprobs) read go through the norm and LM head.
         rows = fb.logits_indices
         x = self.model.norm(residual.index_select(0, rows) + delta.index_select(0, rows))
-        return F.linear(x, self.lm_head_weight).float()
+        return self.tp.gather_vocab(F.linear(x, self.lm_head_weight).float(), self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered."""
@@ -199,6 +223,14 @@ class CausalLM(nn.Module):
                 if name not in params:
                     raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
                 p = params[name]
+                module_path, _, kind = name.rpartition(".")
+                piece = getattr(self.get_submodule(module_path), "tp_slices", {}).get(kind)
+                if piece is not None:  # tensor parallelism: this rank's slice
+                    dim, start, end, full = piece
+                    if tensor.dim() <= dim or tensor.shape[dim] != full:
+                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} has not {full} "
+                                         f"entries along dimension {dim}")
+                    tensor = tensor.narrow(dim, start, end - start)
                 if p.shape != tensor.shape:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(p.shape)}")
                 with torch.no_grad():

@@ -46,17 +46,22 @@ class RMSNorm(nn.Module):
 class MergedLinear(nn.Module):
     """One matmul for several projections of the same input (q/k/v, gate/up).
 
-    The weight is the row-wise concatenation of the shards; :meth:`load_shard` copies one
-    checkpoint tensor into its rows.
+    ``shard_sizes`` are the checkpoint's rows of each projection; ``parts`` (tensor
+    parallelism: a column-parallel layer) keeps rows ``[start, end)`` of each, all of them by
+    default.  The weight is the row-wise concatenation of the kept rows; :meth:`load_shard`
+    copies one checkpoint tensor's kept rows into place.
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
+                 parts: dict[str, tuple[int, int]] | None = None) -> None:
         super().__init__()
+        self.shard_sizes = dict(shard_sizes)
+        self.parts = {name: (parts or {}).get(name, (0, size)) for name, size in shard_sizes.items()}
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         start = 0
-        for name, size in shard_sizes.items():
-            self.shard_offsets[name] = (start, size)
-            start += size
+        for name, (lo, hi) in self.parts.items():
+            self.shard_offsets[name] = (start, hi - lo)
+            start += hi - lo
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.empty(start)) if bias else None
 
@@ -68,10 +73,12 @@ class MergedLinear(nn.Module):
         target = self.weight if kind == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {shard} bias but the model expects none")
-        if tensor.shape[0] != size:
-            raise ValueError(f"shard {shard}.{kind}: expected {size} rows, got {tensor.shape[0]}")
+        if tensor.shape[0] != self.shard_sizes[shard]:
+            raise ValueError(f"shard {shard}.{kind}: expected {self.shard_sizes[shard]} rows, "
+                             f"got {tensor.shape[0]}")
+        lo, hi = self.parts[shard]
         with torch.no_grad():
-            target[start : start + size].copy_(tensor)
+            target[start : start + size].copy_(tensor[lo:hi])
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.model import get_model_class
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder import CausalLM
@@ -67,9 +68,11 @@ def iter_safetensors(folder: str, dtype: torch.dtype) -> Iterator[tuple[str, tor
 
 
 def load_model(
-    model_path: str | None, dtype: torch.dtype, device: torch.device | str = "cpu"
+    model_path: str | None, dtype: torch.dtype, device: torch.device | str = "cpu",
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
-    """Build the model for ``model_path`` (None = default model) with weights in ``dtype``."""
+    """Build the model for ``model_path`` (None = default model) with weights in ``dtype``;
+    with ``tp``, only this rank's shard of them."""
     from transformers import AutoConfig
 
     folder = resolve_model_path(model_path)
@@ -77,7 +80,7 @@ def load_model(
     config = ModelConfig.from_hf(hf_config, dtype, folder)
     cls = get_model_class(config.architecture)
     with torch.device("meta"):  # no random init: every parameter is overwritten below
-        model = cls(config, hf_config)
+        model = cls(config, hf_config, tp)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(iter_safetensors(folder, dtype))
     model.eval()

@@ -8,6 +8,8 @@ import torch
 from radixserve.attention import create_backend
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.req_to_token import ReqToTokenPool
+from radixserve.distributed.step_message import StepBatch, pack_rows
+from radixserve.distributed.worker import WorkerLink
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
 from radixserve.scheduler import prompt_logprobs
@@ -31,6 +33,9 @@ class ModelRunner:
         self.req_pool = req_pool
         self.backend = create_backend(attention_backend)
         self.device = device
+        # Tensor parallelism: rank 0's link to the other ranks (None: a single rank).  The
+        # request table is read on the host here, which holds on a CPU; see distributed/.
+        self.link: WorkerLink | None = None
 
     @property
     def attention_path(self) -> str:
@@ -57,6 +62,16 @@ class ModelRunner:
             np.asarray(prefix_lens, dtype=np.int64) - starts, extend_lens
         )
         out_cache_loc = self.req_pool.table[torch.from_numpy(row_idx), torch.from_numpy(col_idx)]
+        if self.link is not None:  # the other tensor-parallel ranks run the same forward
+            self.link.send(StepBatch(
+                input_ids=input_ids,
+                prefix_lens=np.asarray(prefix_lens, dtype=np.int64),
+                extend_lens=np.asarray(extend_lens, dtype=np.int64),
+                out_cache_loc=out_cache_loc.numpy(),
+                slots=pack_rows(self.req_pool.table.numpy(), rows,
+                                [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]),
+                extra_logits=np.zeros(0, dtype=np.int64) if extra_logits is None else extra_logits,
+            ))
         return ForwardBatch.build(
             input_ids=input_ids,
             prefix_lens=prefix_lens,

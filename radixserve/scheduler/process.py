@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,7 @@ import zmq
 from radixserve import messages as m
 from radixserve.cache.tree_view import summary_rows
 from radixserve.config import ServerArgs
+from radixserve.distributed import TensorParallelError
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0
@@ -95,7 +97,8 @@ def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str, also: Sequence[st
 
 
 def _run_step(sched: Any, send: zmq.Socket) -> None:
-    """One scheduler step and the sending of its output; an error fails what is in flight."""
+    """One scheduler step and the sending of its output; an error fails what is in flight.
+    A failed tensor-parallel collective is raised on: the group cannot step again."""
     unsent: list[str] = []  # rids of a step output that could not be sent
     try:
         out = sched.step()
@@ -105,6 +108,9 @@ def _run_step(sched: Any, send: zmq.Socket) -> None:
             unsent = []
         for err in sched.take_errors():
             send.send(m.encode(err))
+    except TensorParallelError as e:
+        _fail_in_flight(sched, send, f"the tensor-parallel group failed: {e}", also=unsent)
+        raise
     except Exception as e:  # logged and answered: every in-flight request gets an error
         logger.exception("scheduler step failed")
         _fail_in_flight(sched, send, f"internal error in the scheduler: {e!r}", also=unsent)
@@ -121,8 +127,10 @@ def dtype_note(args: Any) -> str:
 
 
 def run_scheduler_process(
-    args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_pipe: Any
+    args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_pipe: Any, folder: str
 ) -> None:
+    """The scheduler: rank 0 of the tensor-parallel group when ``args.tp_size > 1``, whose
+    other ranks meet it in the server's private ``folder``."""
     from radixserve.logging_utils import (
         configure_logging,
         exit_on_sigterm,
@@ -138,17 +146,24 @@ def run_scheduler_process(
     try:
         import torch
 
+        from radixserve.distributed.group import SINGLE, init_group, rank_device
+        from radixserve.distributed.worker import WorkerLink, rank_threads, share_setup
         from radixserve.model.loader import load_model
         from radixserve.scheduler.scheduler import Scheduler
-        from radixserve.threads import scheduler_threads
         from radixserve.tokenizer import load_tokenizer
 
-        threads, threads_source = scheduler_threads()
+        threads, threads_source = rank_threads(args.tp_size)
         torch.set_num_threads(threads)
         torch.manual_seed(args.random_seed)
-        loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device)
+        tp = SINGLE
+        if args.tp_size > 1:
+            tp = init_group(0, args.tp_size, folder, rank_device(args.device, 0))
+        loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp)
         tokenizer = load_tokenizer(loaded.tokenizer_path)
         sched = Scheduler(args, loaded.model, loaded.config, tokenizer)
+        if tp.size > 1:
+            sched.runner.link = WorkerLink(folder, tp.size)
+            share_setup({"num_slots": sched.allocator.num_slots})
         on_sigterm(sched.close)  # queued disk-tier writes land before the process goes
         recv, send = open_pipeline_sockets(in_addr, out_addr)
     except Exception as e:  # reported to the launcher, which fails the start with it
@@ -183,7 +198,11 @@ def run_scheduler_process(
             handle_frame(sched, data, send)
         if not sched.has_work:
             continue
-        _run_step(sched, send)
+        try:
+            _run_step(sched, send)
+        except TensorParallelError as e:
+            logger.error("%s; the scheduler stops", e)
+            sys.exit(1)
         if sched.only_compiling:  # wait for a grammar without spinning (or for new input)
             recv.poll(2)
         if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:

@@ -71,14 +71,15 @@ class Scheduler:
         self.context_len = args.context_length or model_config.max_context_len
         self.vocab_size = model_config.vocab_size
 
-        kv_heads, head_dim, layers = (
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            model_config.num_layers,
-        )
+        # This rank's KV heads (all of them without tensor parallelism).  Ranks on one CPU share
+        # its memory: the pool is sized for all of them.
+        kv_heads = getattr(model, "num_local_kv_heads", model_config.num_kv_heads)
+        head_dim, layers = model_config.head_dim, model_config.num_layers
+        ranks_per_memory = args.tp_size if self.device.type == "cpu" else 1
         elem = torch.empty((), dtype=self.dtype).element_size()
         pool_tokens = args.max_total_tokens or auto_pool_tokens(
-            2 * layers * kv_heads * head_dim * elem, args.kv_cache_memory_fraction, self.device
+            2 * layers * kv_heads * head_dim * elem * ranks_per_memory, args.kv_cache_memory_fraction,
+            self.device,
         )
         num_pages = max(1, pool_tokens // self.page_size)
         self.pool_tokens = num_pages * self.page_size
@@ -145,6 +146,7 @@ class Scheduler:
             "dtype": self.args.dtype,
             "device": self.args.device,
             "attention_backend": self.args.attention_backend,
+            "tp_size": self.args.tp_size,
         }
 
     def add_request(self, msg: GenerateReq) -> ErrorOut | None:
@@ -543,9 +545,12 @@ class Scheduler:
         return True
 
     def close(self) -> None:
-        """Let queued disk-tier writes finish (bounded)."""
+        """Let queued disk-tier writes finish (bounded); stop the tensor-parallel ranks."""
         if self.tiers is not None:
             self.tiers.close()
+        if self.runner.link is not None:
+            self.runner.link.close()
+            self.runner.link = None
 
     def start_profile(self) -> dict[str, Any]:
         """Profile the steps from now on (``profiling.py``); RuntimeError if already profiling."""
