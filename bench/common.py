@@ -1,5 +1,5 @@
 """What the benchmarks in ``bench/`` share: the machine description, target checks and their
-printed lines, plain-text tables, and writing the JSON report."""
+printed lines, plain-text tables, writing the JSON report, and the servers they start."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ import argparse
 import json
 import os
 import platform
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
 from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,3 +79,60 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     """Write the report as indented JSON (creating its folder) and say where."""
     write_json(report, out)
     print(f"wrote {out}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launched:
+    """A server process started here on loopback port ``port``; its output goes to a temp
+    log.  It is ready when :meth:`is_ready` says so (``GET /health`` answers 200 by default);
+    a process that exits or is not ready in time is stopped and reported with its log."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, startup_timeout: float,
+                 env: dict[str, str] | None = None) -> None:
+        self.name, self.cmd, self.port = name, cmd, port
+        self.base_url = f"http://127.0.0.1:{port}"
+        fd, self.log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})})
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:  # Ctrl-C or not ready: never leave the process behind
+            self.stop()
+            raise
+
+    def is_ready(self) -> bool:
+        with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+            return r.status == 200
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if self.is_ready():
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -19,13 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +29,7 @@ if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
 from bench import serving  # noqa: E402
-from bench.common import machine_info, target_lines, write_json  # noqa: E402
+from bench.common import Launched, free_port, machine_info, target_lines, write_json  # noqa: E402
 
 POLICIES = ("lpm", "fcfs")
 TARGET_HIT_RATE = 0.85  # shared-prefix, radix on
@@ -42,58 +37,17 @@ TARGET_TTFT_RATIO = 0.25  # TTFT p50 radix on / radix off, same policy and concu
 
 
 # ---- servers ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(Launched):
     """``radixserve serve`` on a free loopback port; its log goes to a temp file (removed by
-    ``run_matrix`` after a clean exit)."""
+    ``run_matrix`` after a clean exit).  ``env`` is added to this process's environment."""
 
-    def __init__(self, model: str | None, flags: list[str], startup_timeout: float) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *flags]
+    def __init__(self, model: str | None, flags: list[str], startup_timeout: float,
+                 env: dict[str, str] | None = None) -> None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), *flags]
         if model:
-            self.cmd += ["--model", model]
-        fd, self.log_path = tempfile.mkstemp(prefix="radixserve-compare-", suffix=".log")
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_ready(startup_timeout)
-        except BaseException:  # Ctrl-C or not ready: never leave the server behind
-            self.stop()
-            raise
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass  # not listening yet
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+            cmd += ["--model", model]
+        super().__init__("radixserve", cmd, port, startup_timeout, env)
 
 
 def server_flags(radix: str, policy: str, extra: list[str]) -> list[str]:

@@ -240,3 +240,59 @@ def test_ranks_start_and_stop_together(tiny_model_dir, default_model_path) -> No
     stopper.start()
     stopper.join(30)
     assert not stopper.is_alive() and not any(p.is_alive() for p in procs.values())
+
+
+
+# --- the collectives themselves ---------------------------------------------------------------
+
+def _collectives_rank(rank: int, folder: str, queue: object) -> None:
+    """One rank: the same all-reduces through shared memory and through gloo, and a gather."""
+    import torch
+
+    from radixserve.distributed.group import TensorParallel, init_group, leave_group
+
+    tp = init_group(rank, 2, folder, "cpu")
+    plain = TensorParallel(rank, 2)  # no shared memory: every call through gloo
+    gen = torch.Generator().manual_seed(rank)
+    out = {}
+    for name, shape, dtype in (("f32", (3, 7), torch.float32), ("bf16", (5, 16), torch.bfloat16),
+                               ("rows", (300, 576), torch.float32)):
+        x = torch.randn(shape, generator=gen).to(dtype)
+        out[name] = [t.float().numpy() for t in (x, tp.all_reduce(x.clone()), plain.all_reduce(x.clone()))]
+    logits = torch.full((2, 5 if rank == 0 else 4), float(rank + 1))  # 9 = 5 + 4 vocabulary rows
+    out["gather"] = [None if g is None else g.numpy() for g in (tp.gather_vocab(logits, 9),
+                                                                plain.gather_vocab(logits, 9))]
+    queue.put((rank, out))  # numpy: the queue must not hand over this process's shared tensors
+    leave_group()
+
+
+def test_shared_memory_and_gloo_collectives_agree(tmp_path) -> None:
+    import multiprocessing as mp
+
+    import torch
+
+    from radixserve.distributed import shm
+
+    assert shm.usable("cpu")  # this suite runs on x86: the shared-memory path is the one tested
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_collectives_rank, args=(r, str(tmp_path), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    for name in ("f32", "bf16", "rows"):
+        x0, x1 = got[0][name][0], got[1][name][0]
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        expected = torch.from_numpy(x0 + x1).to(dtype).float().numpy()  # one rounding of the sum
+        for rank in (0, 1):
+            via_shm, via_gloo = got[rank][name][1], got[rank][name][2]
+            np.testing.assert_array_equal(via_shm, expected, err_msg=f"{name} rank {rank}")
+            np.testing.assert_allclose(via_gloo, expected, rtol=1e-2 if name == "bf16" else 1e-6)
+    for gathered in got[0]["gather"]:
+        assert gathered.shape == (2, 9)
+        assert (gathered[:, :5] == 1).all() and (gathered[:, 5:] == 2).all()
+    assert got[1]["gather"] == [None, None]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(tmp_path.name)]  # removed at start

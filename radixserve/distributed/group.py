@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from radixserve.distributed import TensorParallelError
+from radixserve.distributed import TensorParallelError, shm
 
 # A collective waits this long for a peer before it fails.  Ranks do the same work each step,
 # so a healthy peer is never far behind; a dead one is normally noticed at once (its sockets
@@ -28,10 +29,12 @@ def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class TensorParallel:
     """Rank ``rank`` of ``size``; ``size == 1`` (the default, :data:`SINGLE`) is no parallelism
-    and every collective is a no-op."""
+    and every collective is a no-op.  ``shm``: the shared-memory collectives of a CPU host
+    (:mod:`radixserve.distributed.shm`), used for every tensor that fits them."""
 
     rank: int = 0
     size: int = 1
+    shm: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -68,6 +71,8 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
+        if self.size > 1 and self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         if self.size > 1:
             try:
                 dist.all_reduce(x)
@@ -83,6 +88,12 @@ class TensorParallel:
         width = split_range(vocab_size, self.size, 0)[1]  # rank 0 has the widest part
         padded = x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
         padded = padded.contiguous()
+        widths = [b - a for a, b in (split_range(vocab_size, self.size, r) for r in range(self.size))]
+        if self.shm is not None and self.shm.fits(padded):
+            stacked = self.shm.gather(padded)
+            if stacked is None:
+                return None
+            return torch.cat([p[:, :w] for p, w in zip(stacked, widths, strict=True)], dim=1)
         try:
             if self.rank != 0:
                 dist.gather(padded, None, dst=0)
@@ -91,7 +102,6 @@ class TensorParallel:
             dist.gather(padded, parts, dst=0)
         except RuntimeError as e:
             raise TensorParallelError(f"tensor-parallel gather failed on rank {self.rank}: {e}") from e
-        widths = [b - a for a, b in (split_range(vocab_size, self.size, r) for r in range(self.size))]
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
 
 
@@ -107,7 +117,8 @@ def init_group(rank: int, size: int, folder: str, device: str) -> TensorParallel
     """Join the group (every rank calls this once; it returns when all have).
 
     The rendezvous is a file in the server's private temp folder, and gloo is bound to the
-    loopback interface: nothing listens beyond this host.
+    loopback interface: nothing listens beyond this host.  On a CPU the ranks also map one
+    shared-memory file for the per-layer collectives (:mod:`radixserve.distributed.shm`).
     """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     on_gpu = device.startswith("cuda")
@@ -120,7 +131,28 @@ def init_group(rank: int, size: int, folder: str, device: str) -> TensorParallel
         world_size=size,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    return TensorParallel(rank, size)
+    return TensorParallel(rank, size, _map_shared_memory(rank, size, folder) if shm.usable(device) else None)
+
+
+def _map_shared_memory(rank: int, size: int, folder: str) -> shm.ShmCollectives:
+    """Rank 0 creates the file (in /dev/shm when it has room, else in ``folder``), every rank
+    maps it, and rank 0 removes its name: nothing is left behind, however the server ends."""
+    need = 2 * (shm.HEADER_BYTES + 2 * size * shm.SLOT_BYTES)
+    try:
+        st = os.statvfs("/dev/shm")
+        roomy = st.f_bavail * st.f_frsize >= need
+    except OSError:
+        roomy = False
+    path = os.path.join("/dev/shm" if roomy else folder, os.path.basename(folder) + "-tp-shm")
+    if rank == 0:
+        collectives = shm.ShmCollectives(path, rank, size, COLLECTIVE_TIMEOUT_S)
+    dist.barrier()
+    if rank != 0:
+        collectives = shm.ShmCollectives(path, rank, size, COLLECTIVE_TIMEOUT_S)
+    dist.barrier()
+    if rank == 0:
+        os.unlink(path)
+    return collectives
 
 
 def leave_group() -> None:
