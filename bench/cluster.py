@@ -66,7 +66,8 @@ class Router(Launched):
         port = free_port()
         self.workers = workers
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-               "--port", str(port), "--policy", policy, "--worker-urls", *workers, *ROUTER_FLAGS]
+               "--port", str(port), "--policy", policy, "--worker-urls", *workers, *ROUTER_FLAGS,
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         super().__init__(f"router-{policy}", cmd, port, startup_timeout)
 
     def is_ready(self) -> bool:

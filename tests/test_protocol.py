@@ -297,7 +297,7 @@ def test_unsupported_fields_unset_are_fine() -> None:
     ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
     ({"stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus"),
     ({"messages": [{"role": "user", "content": "hi", "mood": "happy"}]}, "messages[0].mood"),
-    ({"rid": "my-request"}, "rid"),
+    ({"image_data": "cat.png"}, "image_data"),  # SGLang's, but a /generate field, not a chat one
 ])
 def test_unknown_fields_are_refused(body: dict[str, Any], param: str) -> None:
     message, got = rejection(ChatCompletionRequest, chat(**body))

@@ -25,6 +25,7 @@ from radixserve.frontend.chat_render import (
 )
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.openai_common import (
+    choice_rids,
     fan_in,
     finish_type,
     params_per_choice,
@@ -37,6 +38,8 @@ from radixserve.frontend.openai_common import (
 from radixserve.frontend.parsers import (
     ParsedMessage,
     ParseSpec,
+    Piece,
+    ReasoningDelta,
     ToolCallStart,
     ToolFormat,
     ToolPlan,
@@ -122,6 +125,24 @@ def _message(spec: ParseSpec, text: str) -> tuple[dict[str, Any], bool]:
     return msg, bool(parsed.tool_calls)
 
 
+def _hold_reasoning(pieces: list[Piece], held: list[str], finished: bool) -> list[Piece]:
+    """``pieces`` with their reasoning deltas held back in ``held`` until something else
+    follows (or the choice finishes): then the whole reasoning goes first, as one delta."""
+    out: list[Piece] = []
+    for p in pieces:
+        if isinstance(p, ReasoningDelta):
+            held.append(p.text)
+            continue
+        if held:
+            out.append(ReasoningDelta("".join(held)))
+            held.clear()
+        out.append(p)
+    if finished and held:
+        out.append(ReasoningDelta("".join(held)))
+        held.clear()
+    return out
+
+
 def _finish_reason(meta: dict[str, Any], has_calls: bool) -> str | None:
     reason = finish_type(meta)
     return "tool_calls" if has_calls and reason == "stop" else reason
@@ -159,9 +180,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     choice_params = params_per_choice(params, body.n)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
 
+    rids = choice_rids(body.rid, len(choice_params))
+
     def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
-        return [st.stream(ids, p, stream=stream, logprob=body.logprobs, top_n=top_n, hints=body.hints())
-                for p in choice_params]
+        return [st.stream(ids, p, stream=stream, logprob=body.logprobs, top_n=top_n, rid=rid,
+                          hints=body.hints())
+                for p, rid in zip(choice_params, rids, strict=True)]
 
     if not body.stream:
         results = await asyncio.gather(*[collect(s, request) for s in streams(False)])
@@ -191,6 +215,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     async def gen() -> AsyncIterator[bytes]:
         n = len(choice_params)
         parsers = [spec.new_parser() for _ in range(n)]
+        # stream_reasoning=false: each choice's reasoning so far, sent in one delta once it ends.
+        reasoning: list[list[str]] | None = None if body.stream_reasoning else [[] for _ in range(n)]
         has_calls = [False] * n
         # Per choice, the logprobs of tokens whose text the parser still holds back: they
         # ride on the next chunk that carries a delta.
@@ -206,6 +232,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             meta, finished = piece["meta_info"], piece["finished"]
             if spec.active:
                 pieces = parsers[i].feed(piece["text"]) + (parsers[i].finish() if finished else [])
+                if reasoning is not None:
+                    pieces = _hold_reasoning(pieces, reasoning[i], finished)
                 has_calls[i] |= any(isinstance(p, ToolCallStart) for p in pieces)
                 deltas = openai_deltas(pieces)
             else:

@@ -32,13 +32,14 @@ class ContentPart(Body):
 
 class ToolCallFunction(Body):
     name: str
-    arguments: str
+    arguments: str = "{}"  # SGLang's router sends null for a call without arguments
 
 
 class ToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
+    index: int | None = None  # SGLang's schema has it (a streamed call's index); ignored
 
 
 class ChatMessage(Body):
@@ -50,6 +51,9 @@ class ChatMessage(Body):
     refusal: str | None = None  # assistant only
     function_call: ToolCallFunction | None = None  # deprecated; becomes tool_calls
     audio: Any = None  # UNSUPPORTED
+    # SGLang: an earlier answer's reasoning, given to the chat template (assistant only).
+    reasoning_content: str | None = None
+    tools: list[dict[str, Any]] | None = None  # SGLang: tools given in a message; refused when set
 
     @field_validator("content", mode="before")
     @classmethod
@@ -65,8 +69,11 @@ class ChatMessage(Body):
     def _content(self) -> ChatMessage:
         if self.audio is not None:
             raise unsupported("messages[].audio", param="audio")
+        if self.tools:
+            raise unsupported("messages[].tools", param="tools")
         if self.role != "assistant":
-            extra = [k for k in ("refusal", "function_call", "tool_calls") if getattr(self, k) is not None]
+            extra = [k for k in ("refusal", "function_call", "tool_calls", "reasoning_content")
+                     if getattr(self, k) is not None]
             if extra:
                 raise reject(extra[0], f"'{extra[0]}' is only valid in assistant messages")
             if isinstance(self.content, list) and any(p.type == "refusal" for p in self.content):

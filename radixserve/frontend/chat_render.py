@@ -63,9 +63,11 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, parser: str,
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
-            d["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+            d["tool_calls"] = [tc.model_dump(exclude={"index"}) for tc in m.tool_calls]
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:  # templates that show earlier reasoning read it
+            d["reasoning_content"] = m.reasoning_content
         msgs.append(d)
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model has no chat template; use /v1/completions (or "

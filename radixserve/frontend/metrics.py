@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+FINISH_REASONS = ("stop", "length", "abort")  # messages.py's finish_reason types
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
@@ -88,6 +89,8 @@ class Metrics:
         self.generation_tokens = Counter("radixserve:generation_tokens", "generated tokens", registry=r)
         self.cached_tokens = Counter("radixserve:cached_tokens", "prompt tokens served from the radix cache", registry=r)
         self.requests = Counter("radixserve:requests", "finished requests", ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:  # every series from the start: a router that merges its
+            self.requests.labels(finish_reason=reason)  # workers' metrics needs equal label names
         self.ttft = Histogram("radixserve:time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("radixserve:inter_token_latency_seconds", "time between streamed tokens", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("radixserve:e2e_request_latency_seconds", "request latency, arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)

@@ -1,11 +1,14 @@
 """SGLang-style native routes: /generate, /health, /health_generate, /server_info,
-/get_model_info, /flush_cache, /abort_request, /concate_and_append_request, /metrics, and
-radixserve's /apply_chat_template.  Together they are what SGLang's frontend language
-(``sglang.RuntimeEndpoint``) calls."""
+/get_model_info, /get_load, /flush_cache, /abort_request, /concate_and_append_request, /metrics,
+and radixserve's /apply_chat_template.  Together they are what SGLang's frontend language
+(``sglang.RuntimeEndpoint``) and SGLang's router (``sglang-router``: /health, /server_info,
+/model_info, /get_load, /flush_cache, /metrics) call."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +42,7 @@ def _event(result: dict[str, Any]) -> bytes:
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Any:
     st = _state(request)
+    st.check_model(body.model)
     batched = isinstance(body.text, list) or (bool(body.input_ids) and isinstance(body.input_ids[0], list))
     texts = body.text if isinstance(body.text, list) else [body.text] if body.text is not None else None
     ids_list = (body.input_ids if batched else [body.input_ids]) if body.input_ids is not None else None
@@ -136,6 +140,17 @@ async def server_info(request: Request) -> JSONBytesResponse:
     return JSONBytesResponse({
         "version": __version__,
         "model": st.model_name,
+        # SGLang's top-level keys (its /server_info is its server arguments and scheduler
+        # info, flattened), the ones SGLang's router registers a worker with among them.
+        "model_path": st.model_path,
+        "tokenizer_path": st.info.get("tokenizer_path"),
+        "served_model_name": st.model_name,
+        "tp_size": st.info.get("tp_size", getattr(st.args, "tp_size", 1)),
+        "dp_size": 1,
+        "context_length": st.info["context_length"],
+        "page_size": st.info.get("page_size", 1),
+        "max_total_num_tokens": st.info.get("max_total_tokens"),
+        "max_running_requests": st.info.get("max_running_requests"),
         "server_args": args,
         "model_info": st.info,
         "stats": stats,
@@ -151,10 +166,13 @@ async def model_info(request: Request) -> JSONBytesResponse:
     """SGLang's model description (``RuntimeEndpoint`` reads ``model_path`` to pick its chat
     template), plus radixserve's own fields."""
     st = _state(request)
+    hf = _hf_config(st.model_path)
     return JSONBytesResponse({
         "model_path": st.model_path,
         "tokenizer_path": st.info.get("tokenizer_path"),
         "is_generation": True,
+        "model_type": hf.get("model_type"),
+        "architectures": hf.get("architectures"),
         "preferred_sampling_params": None,
         "weight_version": "default",
         "has_image_understanding": False,
@@ -165,6 +183,32 @@ async def model_info(request: Request) -> JSONBytesResponse:
         "eos_token_ids": st.info["eos_token_ids"],
         "has_chat_template": bool(getattr(st.tokenizer, "chat_template", None)),
     })
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_config(model_path: str) -> dict[str, Any]:
+    """The model folder's ``config.json`` (empty for a GGUF file, or a folder without one)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> JSONBytesResponse:
+    """SGLang's load report, one entry per data-parallel rank (a radixserve server is one):
+    requests in flight, of them waiting in the scheduler's queue, and the tokens of those in
+    flight (prompt plus output so far).  SGLang's router reads ``num_tokens``."""
+    st = _state(request)
+    stats = await st.tm.control("stats")
+    return JSONBytesResponse([{
+        "dp_rank": 0,
+        "num_reqs": st.inflight_requests,
+        "num_waiting_reqs": stats.get("waiting", 0),
+        "num_tokens": st.inflight_tokens,
+    }])
 
 
 @router.post("/apply_chat_template")

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.openai_common import (
+    choice_rids,
     fan_in,
     finish_type,
     params_per_choice,
@@ -35,7 +36,8 @@ async def models(request: Request) -> JSONBytesResponse:
         "object": "list",
         "data": [{
             "id": st.model_name, "object": "model", "created": int(st.started_at),
-            "owned_by": "radixserve", "max_model_len": st.info["context_length"],
+            "owned_by": "radixserve", "root": st.model_path, "parent": None,
+            "max_model_len": st.info["context_length"],
         }],
     })
 
@@ -88,12 +90,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     top_n = body.logprobs or 0
     echo_lp = body.echo and want_lp
     jobs = [(ids, cp) for ids, params in prepared for cp in params_per_choice(params, body.n)]
+    rids = choice_rids(body.rid, len(jobs))
     echo_text = [st.tokenizer.decode(ids) if body.echo else "" for ids, _ in jobs]
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
 
     def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
-        return [st.stream(ids, p, stream=stream, logprob=want_lp, top_n=top_n,
-                          logprob_start_len=0 if echo_lp else -1, hints=body.hints()) for ids, p in jobs]
+        return [st.stream(ids, p, stream=stream, logprob=want_lp, top_n=top_n, rid=rid,
+                          logprob_start_len=0 if echo_lp else -1, hints=body.hints())
+                for (ids, p), rid in zip(jobs, rids, strict=True)]
 
     def prompt_logprobs(i: int, piece: dict[str, Any]) -> dict[str, Any] | None:
         """Choice i's prompt part (echo + logprobs), from the piece that carries it."""

@@ -46,6 +46,14 @@ def params_per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
             for i in range(n)]
 
 
+def choice_rids(rid: str | None, count: int) -> list[str | None]:
+    """The request ids of ``count`` choices: the client's ``rid`` for one, ``<rid>_<i>`` for
+    several (SGLang's naming for a batch), generated ones (None) when no ``rid`` is given."""
+    if rid is None:
+        return [None] * count
+    return [rid] if count == 1 else [f"{rid}_{i}" for i in range(count)]
+
+
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int,
                cache_report: dict[str, Any] | None = None) -> dict[str, Any]:
     usage = {

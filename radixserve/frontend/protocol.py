@@ -4,7 +4,8 @@ Every field of OpenAI's Chat Completions and (legacy) Completions request schema
 accepted, plus the extensions SGLang and vLLM clients send (``top_k``, ``min_p``,
 ``min_tokens``, ``regex``, ``ebnf``, ``json_schema``, ``chat_template_kwargs``, ...).  Which
 fields are implemented, ignored (``IGNORED_FIELDS``) or refused (``UNSUPPORTED``), and how
-nulls and errors are handled, is in ``protocol_base.py``; chat messages are in
+nulls and errors are handled, is in ``protocol_base.py``; the rest of SGLang's request schemas
+(what its clients and router send) is the table in ``sglang_fields.py``; chat messages are in
 ``chat_messages.py``, ``response_format`` in ``response_format.py``.  Validation errors become
 HTTP 400 with an OpenAI-style body (see ``errors.py``).
 """
@@ -12,7 +13,7 @@ HTTP 400 with an OpenAI-style body (see ``errors.py``).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StrictBool, StrictInt, WithJsonSchema, field_validator, model_validator
 
@@ -40,6 +41,13 @@ from radixserve.frontend.response_format import (
     RESPONSE_FORMAT_TYPES,
     JSONSchemaFormat,
     ResponseFormat,
+)
+from radixserve.frontend.sglang_fields import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    SAMPLING,
+    take_sglang_fields,
 )
 from radixserve.frontend.tokenizer_manager import (
     MAX_EXTRA_KEY_CHARS,
@@ -87,6 +95,8 @@ class StreamOptions(Body):
 class _SamplingFields(RequestBody):
     """Sampling fields shared by both OpenAI routes (plus SGLang's and vLLM's extensions)."""
 
+    SGLANG_ROUTE: ClassVar[str] = ""  # which fields of ``SGLANG_FIELDS`` the route takes
+
     model: str | None = None
     n: StrictInt = Field(1, ge=1, le=16)
     stream: StrictBool = False
@@ -110,6 +120,9 @@ class _SamplingFields(RequestBody):
     no_stop_trim: StrictBool | None = None  # keep the matched stop string in the output
     # Cache namespace (vLLM's name): prefixes are shared only with requests of the same salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_EXTRA_KEY_CHARS)
+    extra_key: str | None = Field(None, max_length=MAX_EXTRA_KEY_CHARS)  # SGLang's name for it
+    # The request's id (SGLang): meta_info.id, /abort_request; "<rid>_<i>" for choice i of several.
+    rid: str | None = Field(None, min_length=1)
     priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
     # usage.cache_report: where the prompt's prefix match stopped (the first prompt's)
     return_cache_report: StrictBool = False
@@ -119,6 +132,11 @@ class _SamplingFields(RequestBody):
     regex: str | None = Field(None, min_length=1)
     ebnf: str | None = Field(None, min_length=1)
     json_schema: str | dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_fields(cls, data: Any) -> Any:
+        return take_sglang_fields(data, cls.SGLANG_ROUTE)
 
     @field_validator("stop")
     @classmethod
@@ -170,6 +188,9 @@ class _SamplingFields(RequestBody):
                  and not (name == "response_format" and rf is not None and rf.type == "text")]
         if len(given) > 1:
             raise reject(given[1], f"give at most one constraint; got {' and '.join(given)}")
+        if self.extra_key and self.cache_salt and self.extra_key != self.cache_salt:
+            raise reject("extra_key", "extra_key and cache_salt name the same cache namespace; give one "
+                                      "of them (or both with the same value)")
         bound = self.max_new_tokens
         if self.min_tokens and bound is not None and self.min_tokens > bound:
             raise reject("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed the "
@@ -200,7 +221,8 @@ class _SamplingFields(RequestBody):
 
     def hints(self) -> SchedulingHints:
         """The cache namespace and priority level of this request."""
-        return SchedulingHints(self.cache_salt or "", self.priority or 0, cache_report=self.return_cache_report)
+        return SchedulingHints(self.cache_salt or self.extra_key or "", self.priority or 0,
+                               cache_report=self.return_cache_report)
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling_params for this body (None values mean "default")."""
@@ -240,6 +262,8 @@ def _check_continue_final(body: ChatCompletionRequest | ApplyChatTemplateRequest
 
 
 class ChatCompletionRequest(_SamplingFields):
+    SGLANG_ROUTE: ClassVar[str] = CHAT
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
@@ -272,6 +296,7 @@ class ChatCompletionRequest(_SamplingFields):
     # SGLang / vLLM chat extensions
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: StrictBool = True
+    stream_reasoning: StrictBool = True  # false: a stream sends the reasoning in one delta, once it ends
     continue_final_message: StrictBool = False
     add_generation_prompt: StrictBool = True
 
@@ -343,6 +368,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
+    SGLANG_ROUTE: ClassVar[str] = COMPLETIONS
+
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     # OpenAI's documented default for completions; 0 (with echo) scores the prompt only.
     max_tokens: StrictInt = Field(16, ge=0, le=INT64_MAX)
@@ -390,21 +417,9 @@ SamplingParamsField = Annotated[
 ]
 
 
-# Native /generate fields of SGLang's naming features radixserve lacks (UNSUPPORTED): a value
-# that asks for nothing (null, false, empty, or a batch's list of nulls) is accepted.
-GENERATE_UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds", "lora_path",
-                        "session_id", "session_params", "custom_logit_processor",
-                        "token_ids_logprob", "return_hidden_states")
-
-
-def _asks_for_something(value: Any) -> bool:
-    if isinstance(value, list):
-        return any(v is not None for v in value)
-    return value not in (None, False, "", {})
-
-
 class GenerateRequest(RequestBody):
-    """Native ``/generate`` (SGLang's shape; every field SGLang's frontend language sends)."""
+    """Native ``/generate`` (SGLang's shape).  SGLang's fields for features radixserve lacks
+    (images, LoRA, sessions, ...) are ``SGLANG_FIELDS``'s."""
 
     text: str | list[str] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
@@ -421,24 +436,26 @@ class GenerateRequest(RequestBody):
     priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
     # meta_info.cache_report: where the prefix match stopped and what the cache held from there
     return_cache_report: StrictBool = False
-    image_data: Any = None
-    video_data: Any = None
-    audio_data: Any = None
-    input_embeds: Any = None
-    lora_path: Any = None
-    session_id: Any = None
-    session_params: Any = None
-    custom_logit_processor: Any = None
-    token_ids_logprob: Any = None
-    return_hidden_states: Any = None
+    model: str | None = None  # SGLang's router sends null; a name must be the served model's
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_fields(cls, data: Any) -> Any:
+        return take_sglang_fields(data, GENERATE)
+
+    @field_validator("sampling_params", mode="before")
+    @classmethod
+    def _sglang_sampling_fields(cls, v: Any) -> Any:
+        """SGLang's sampling fields radixserve has no field for (``sampling_seed`` is ``seed``)."""
+        if isinstance(v, list):
+            return [take_sglang_fields(d, SAMPLING, where=f"sampling_params[{i}]", param=f"[{i}]")
+                    for i, d in enumerate(v)]
+        return take_sglang_fields(v, SAMPLING, where="sampling_params")
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise reject("text", "give exactly one of text and input_ids")
-        for name in GENERATE_UNSUPPORTED:
-            if _asks_for_something(getattr(self, name)):
-                raise unsupported(name)
         return self
 
 

@@ -9,6 +9,9 @@ OpenAI's fields fall in three groups:
   web search, ...).  Leaving them unset or null is fine; asking for that meaning is a 400
   naming the field.
 
+SGLang's own extensions (what its clients and router send) are one table of their own,
+``sglang_fields.SGLANG_FIELDS``, on the same rules.
+
 A field nobody defines is a 400 naming it (``extra="forbid"`` on :class:`Body`), and an
 explicit ``null`` means "not given" for every optional field (OpenAI's own schema marks them
 nullable, and some clients send nulls).  Checks that span several fields raise ``reject``,
@@ -56,21 +59,10 @@ UNSUPPORTED: dict[str, str] = {
     "messages[].content[]": "image_url, input_audio, file (and video_url, audio_url) parts: "
     "radixserve serves text-only models",
     "messages[].audio": "a reference to an earlier audio answer",
+    "messages[].tools": "tools given in a message (give them in the request's tools)",
     "tools[].type": "tool types other than 'function' (custom tools)",
     "suffix": "a non-empty suffix (insertion)",
     "best_of": "best_of > n (server-side candidates ranked by log probability)",
-    # Native /generate fields of SGLang's that radixserve lacks (null, false or empty: fine).
-    "image_data": "image inputs (radixserve serves text-only models)",
-    "video_data": "video inputs (radixserve serves text-only models)",
-    "audio_data": "audio inputs (radixserve serves text-only models)",
-    "input_embeds": "prompts given as embeddings",
-    "lora_path": "LoRA adapters",
-    "session_id": "SGLang's sessions (the radix tree serves a conversation's shared prefix "
-    "without one)",
-    "session_params": "SGLang's sessions",
-    "custom_logit_processor": "custom logit processors",
-    "token_ids_logprob": "logprobs of chosen token ids (use top_logprobs_num)",
-    "return_hidden_states": "hidden states in the output",
 }
 
 
@@ -80,11 +72,16 @@ def reject(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_request", "{message}", {"param": param, "message": message})
 
 
-def unsupported(where: str, key: str | None = None, param: str | None = None) -> PydanticCustomError:
+def refuse_meaning(where: str, meaning: str, param: str | None = None) -> PydanticCustomError:
     """Refuse the field at ``where`` (its full path; ``param`` as in ``check_json_schema``)
-    for asking for ``UNSUPPORTED[key or where]``."""
+    for asking for ``meaning``, something radixserve does not do."""
     return reject(where if param is None else param,
-                  f"'{where}' asks for {UNSUPPORTED[key or where]}, which radixserve does not support")
+                  f"'{where}' asks for {meaning}, which radixserve does not support")
+
+
+def unsupported(where: str, key: str | None = None, param: str | None = None) -> PydanticCustomError:
+    """Refuse the field at ``where`` for asking for ``UNSUPPORTED[key or where]``."""
+    return refuse_meaning(where, UNSUPPORTED[key or where], param)
 
 
 def check_json_schema(where: str, schema: Any, param: str | None = None) -> None:

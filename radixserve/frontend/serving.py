@@ -25,6 +25,9 @@ logger = logging.getLogger("radixserve.requests")
 DISCONNECT_POLL_S = 0.1
 
 
+# Model names that name no model: SGLang's default, and what SGLang's router sends for a chat
+# request that gave none.
+UNNAMED_MODELS = ("default", "unknown")
 # Sampling parameters whose OpenAI request field has another name.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 # Validation messages start with the field they are about: "sampling_params.top_k must ...",
@@ -58,13 +61,17 @@ class ServerState:
     shutting_down: bool = False
     pids: dict[str, int] = field(default_factory=dict)  # scheduler / detokenizer processes
     model_path: str = ""  # the folder (or GGUF file) the model was loaded from
+    # Generation requests in flight (sent and not finished) and their tokens so far (prompt
+    # plus output): the load a router reads from /get_load.
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
 
     @property
     def tokenizer(self) -> Any:
         return self.tm.tokenizer
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, "default"):
+        if name is not None and name not in (self.model_name, *UNNAMED_MODELS):
             raise APIError(
                 f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                 400, param="model", code="model_not_found",
@@ -124,33 +131,41 @@ class ServerState:
         t0 = time.perf_counter()
         last = None
         ttft = None
-        async for piece in self.tm.generate(ids, params, stream, logprob, top_n, rid=rid,
-                                            logprob_start_len=logprob_start_len, hints=hints):
-            now = time.perf_counter()
-            n = len(piece["output_ids"])
-            if n and ttft is None:
-                # The first token's own time, also when it arrives with others (non-streaming
-                # requests, stream_interval > 1): the tokens after it are spread over the rest.
-                ttft = piece["meta_info"].get("ttft", now - t0)
-                self.metrics.on_first_token(ttft)
-                if n > 1:
-                    self.metrics.on_tokens(now - t0 - ttft, n - 1)
-            elif n and last is not None:
-                self.metrics.on_tokens(now - last, n)
-            if n:
-                last = now
-            if piece["finished"]:
-                meta = piece["meta_info"]
-                total = now - t0
-                self.metrics.on_finish(meta, total)
-                logger.info(
-                    "request %s: prompt %d, cached %d, completion %d tokens, ttft %.3f s, total %.3f s, %s",
-                    rid, meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0),
-                    meta.get("completion_tokens", 0), ttft if ttft is not None else total, total,
-                    (meta.get("finish_reason") or {}).get("type"),
-                )
-            yield piece
-
+        tokens = len(ids)  # this request's part of inflight_tokens
+        self.inflight_requests += 1
+        self.inflight_tokens += tokens
+        try:
+            async for piece in self.tm.generate(ids, params, stream, logprob, top_n, rid=rid,
+                                                logprob_start_len=logprob_start_len, hints=hints):
+                now = time.perf_counter()
+                n = len(piece["output_ids"])
+                tokens += n
+                self.inflight_tokens += n
+                if n and ttft is None:
+                    # The first token's own time, also when it arrives with others (non-streaming
+                    # requests, stream_interval > 1): the tokens after it are spread over the rest.
+                    ttft = piece["meta_info"].get("ttft", now - t0)
+                    self.metrics.on_first_token(ttft)
+                    if n > 1:
+                        self.metrics.on_tokens(now - t0 - ttft, n - 1)
+                elif n and last is not None:
+                    self.metrics.on_tokens(now - last, n)
+                if n:
+                    last = now
+                if piece["finished"]:
+                    meta = piece["meta_info"]
+                    total = now - t0
+                    self.metrics.on_finish(meta, total)
+                    logger.info(
+                        "request %s: prompt %d, cached %d, completion %d tokens, ttft %.3f s, total %.3f s, %s",
+                        rid, meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0),
+                        meta.get("completion_tokens", 0), ttft if ttft is not None else total, total,
+                        (meta.get("finish_reason") or {}).get("type"),
+                    )
+                yield piece
+        finally:
+            self.inflight_requests -= 1
+            self.inflight_tokens -= tokens
 
 async def collect(pieces: AsyncIterator[dict[str, Any]], request: Request) -> list[dict[str, Any]]:
     """All pieces of a non-streaming request; aborts it if the client disconnects first."""

@@ -51,35 +51,15 @@ def build_chat_tiny_model(default_model_dir: str, folder: str, seed: int = 0) ->
     return folder
 
 
-class ServerProcess:
-    """``env`` is added to ``base_env`` (default: this process's environment).  The server runs
-    in float32 unless ``args`` name a dtype: the tests compare with float32 oracles."""
+class LoggedProcess:
+    """A command started with its output in a temporary log file; :meth:`stop` ends it
+    (SIGTERM, then SIGKILL after ``timeout``) and closes the log."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 base_env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tempfile.mktemp(prefix="radixserve-server-", suffix=".log")
+    def __init__(self, cmd: list[str], log_prefix: str, env: dict[str, str] | None = None) -> None:
+        self.log_path = tempfile.mktemp(prefix=log_prefix, suffix=".log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *dtype, *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**(os.environ if base_env is None else base_env), **(env or {})})
-
-    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.3)
-        self.stop()  # never leave a half-started server behind
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+                                     env=dict(os.environ) if env is None else env)
 
     def children(self) -> list[psutil.Process]:
         try:
@@ -103,6 +83,35 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+class ServerProcess(LoggedProcess):
+    """``env`` is added to ``base_env`` (default: this process's environment).  The server runs
+    in float32 unless ``args`` name a dtype: the tests compare with float32 oracles."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 base_env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *dtype, *args]
+        super().__init__(cmd, "radixserve-server-",
+                         {**(os.environ if base_env is None else base_env), **(env or {})})
+
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()  # never leave a half-started server behind
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
 
 
 @contextlib.contextmanager

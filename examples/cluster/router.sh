@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# SGLang's router (pip install "radixserve[router]") in front of the N workers of workers.sh,
+# with its cache-aware policy, on 127.0.0.1:$PORT (clients talk to it as to one server):
+#
+#   examples/cluster/router.sh 2                         # http://127.0.0.1:30000 -> 30001, 30002
+#   PORT=40000 examples/cluster/router.sh 4 --balance-abs-threshold 32
+#
+# Flags after N go to the router (they win over the ones below).  What the thresholds do, and
+# how they meet radixserve's own cache: examples/cluster/README.md.
+set -euo pipefail
+n=${1:?usage: router.sh N [router flags...]}
+shift
+port=${PORT:-30000}
+urls=()
+for i in $(seq 1 "$n"); do urls+=("http://127.0.0.1:$(( port + i ))"); done
+# --disable-circuit-breaker: a worker's 4xx answers to bad requests must not take it out of
+# rotation; health checks every 5 s take out a dead worker after two misses, and a request
+# sent to it is retried (backing off from 200 ms) long enough to land on a live one.
+# The router's metrics listen on loopback, beside its own port.
+exec python -m sglang_router.launch_router \
+  --host 127.0.0.1 --port "$port" --worker-urls "${urls[@]}" \
+  --policy cache_aware --cache-threshold 0.3 \
+  --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
+  --disable-circuit-breaker \
+  --health-check-interval-secs 5 --health-failure-threshold 2 \
+  --retry-max-retries 8 --retry-initial-backoff-ms 200 \
+  --prometheus-host 127.0.0.1 --prometheus-port $(( port + 1000 )) \
+  "$@"

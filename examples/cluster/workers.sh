@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Start N radixserve workers for SGLang's router, on 127.0.0.1:$PORT+1 .. $PORT+N, each pinned
+# to its own share of the cores (OMP_NUM_THREADS and taskset), one command for all of them:
+#
+#   examples/cluster/workers.sh 2                        # ports 30001 and 30002
+#   PORT=40000 examples/cluster/workers.sh 4 --dtype bfloat16 --max-total-tokens 50000
+#
+# Flags after N go to every `radixserve serve`.  It returns once every worker answers /health,
+# then keeps running: Ctrl-C (or SIGTERM) stops all workers, and one worker exiting stops the rest.
+set -euo pipefail
+n=${1:?usage: workers.sh N [radixserve serve flags...]}
+shift
+port=${PORT:-30000}
+cores=$(nproc)
+per=$(( cores / n > 0 ? cores / n : 1 ))
+pids=()
+stop() { kill "${pids[@]}" 2>/dev/null || true; wait || true; }
+trap 'stop; exit 0' INT TERM
+trap stop EXIT
+for i in $(seq 1 "$n"); do
+  first=$(( (i - 1) * per % cores ))
+  OMP_NUM_THREADS=$per taskset -c "$first-$(( first + per - 1 ))" \
+    radixserve serve --host 127.0.0.1 --port $(( port + i )) "$@" &
+  pids+=("$!")
+done
+for i in $(seq 1 "$n"); do
+  until curl -sf "http://127.0.0.1:$(( port + i ))/health" >/dev/null; do
+    kill -0 "${pids[$(( i - 1 ))]}" 2>/dev/null || { echo "worker $i exited during start-up" >&2; exit 1; }
+    sleep 1
+  done
+done
+echo "workers ready: $(for i in $(seq 1 "$n"); do printf 'http://127.0.0.1:%d ' $(( port + i )); done)"
+wait -n
+echo "a worker exited; stopping the others" >&2
+exit 1
