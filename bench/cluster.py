@@ -1,9 +1,10 @@
 """Scale-out on one machine: radixserve workers behind SGLang's router, and tensor parallelism.
 
 Routing (one run per configuration, same workload, every worker's cache flushed first): the
-shared-prefix workload with many groups (bench/workloads.py), each worker's KV pool holding
-about half of the groups' system prompts, so where a request lands decides whether its prefix
-is cached:
+shared-prefix workload with many groups (bench/workloads.py: interleaved, g0q0 g1q0 ... g0q1 ...;
+an odd number of groups, so that round-robin does not pin each group to one worker by
+accident), each worker's KV pool holding a little more than half of the groups' system
+prompts, so where a request lands decides whether its prefix is cached:
 - ``cache_aware``: 2 workers (1 thread each) behind ``sglang_router`` with its cache-aware
   policy (it keeps an approximate prefix tree of what it sent where);
 - ``round_robin``: the same workers, the router alternating;
@@ -77,9 +78,10 @@ class Router(Launched):
 
 
 # ---- routing ------------------------------------------------------------------------------
-async def run_requests(bases: list[str], route: list[int], prompts: list[list[int]], output_len: int,
+async def run_requests(bases: list[str], route: list[int], prompts: list[str], output_len: int,
                        concurrency: int) -> tuple[list[RequestResult], float]:
-    """Stream every prompt (request i to ``bases[route[i]]``), ``concurrency`` at a time."""
+    """Stream every prompt (request i to ``bases[route[i]]``), ``concurrency`` at a time.
+    Prompts are text: the router takes no token ids on ``/v1/completions``."""
     import httpx
 
     limit = asyncio.Semaphore(concurrency)
@@ -90,7 +92,7 @@ async def run_requests(bases: list[str], route: list[int], prompts: list[list[in
     async def one(i: int) -> RequestResult:
         body = {"model": "default", "prompt": prompts[i], "max_tokens": output_len, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        result = RequestResult(job=i, turn=0, prompt_tokens=len(prompts[i]), requested_output=output_len)
+        result = RequestResult(job=i, turn=0, requested_output=output_len)
         async with limit:
             result.start = time.perf_counter() - start
             return await send(clients[route[i]], body, result)
@@ -117,18 +119,33 @@ def warm(base: str) -> None:
         r.read()
 
 
-def measure(label: str, bases: list[str], route: list[int], workers: list[str], work: Any,
+def worker_stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/server_info", timeout=60) as r:
+        return json.loads(r.read())["stats"]
+
+
+def measure(label: str, bases: list[str], route: list[int], workers: list[str], prompts: list[str],
             args: argparse.Namespace) -> dict[str, Any]:
+    """One timed run, and what each worker saw of it: requests, hit rate, evicted tokens."""
     for w in workers:
         post(w + "/flush_cache")
-    print(f"[{label}] {len(work.prompts)} requests ...", flush=True)
-    results, duration = asyncio.run(run_requests(bases, route, work.prompts, args.output_len, args.concurrency))
+    before = [worker_stats(w) for w in workers]
+    print(f"[{label}] {len(prompts)} requests ...", flush=True)
+    results, duration = asyncio.run(run_requests(bases, route, prompts, args.output_len, args.concurrency))
     summary = summarize(results, duration, {})
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"[{label}] {len(failed)} requests failed, e.g. {failed[0]}")
-    print(f"[{label}] hit rate {summary['cache_hit_rate']:.1%}, {duration:.1f} s", flush=True)
-    return {"config": label, "summary": summary}
+    per_worker = []
+    for w, b in zip(workers, before, strict=True):
+        a = worker_stats(w)
+        prompt = a["prompt_tokens"] - b["prompt_tokens"]
+        per_worker.append({"url": w, "requests": a["requests_finished"] - b["requests_finished"],
+                           "hit_rate": (a["cached_tokens"] - b["cached_tokens"]) / prompt if prompt else None,
+                           "evicted_tokens": a["evicted_tokens"] - b["evicted_tokens"]})
+    print(f"[{label}] hit rate {summary['cache_hit_rate']:.1%}, {duration:.1f} s; per worker "
+          + ", ".join(f"{p['requests']} requests at {p['hit_rate'] or 0:.1%}" for p in per_worker), flush=True)
+    return {"config": label, "summary": summary, "workers": per_worker}
 
 
 def worker_flags(args: argparse.Namespace, pool_tokens: int) -> list[str]:
@@ -144,6 +161,10 @@ def run_routing(args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str
             "requests": work.num_requests, "concurrency": args.concurrency,
             "ideal_hit_rate": 1 - work.unique_tokens / work.prompt_tokens,
             "pool_tokens_per_worker": args.pool_tokens}
+    if args.groups % 2 == 0:
+        raise ValueError("--groups must be odd: in the interleaved order an even number of groups "
+                         "gives each of 2 round-robin workers a fixed half of them")
+    prompts = [tokenizer.decode(p) for p in work.prompts]
     rows = []
     print("starting 2 workers (1 thread each) ...", flush=True)
     workers = [Server(None, worker_flags(args, args.pool_tokens), 600, env={"OMP_NUM_THREADS": "1"})
@@ -155,10 +176,10 @@ def run_routing(args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str
         for policy in args.policies:
             router = Router(urls, policy)
             try:
-                rows.append(measure(policy, [router.base_url], [0] * work.num_requests, urls, work, args))
+                rows.append(measure(policy, [router.base_url], [0] * work.num_requests, urls, prompts, args))
             finally:
                 router.stop()
-        rows.append(measure("direct", urls, [g % 2 for g in work.group_of], urls, work, args))
+        rows.append(measure("direct", urls, [g % 2 for g in work.group_of], urls, prompts, args))
     finally:
         for w in workers:
             w.stop()
@@ -166,7 +187,8 @@ def run_routing(args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str
     single = Server(None, worker_flags(args, 2 * args.pool_tokens), 600, env={"OMP_NUM_THREADS": "2"})
     try:
         warm(single.base_url)
-        rows.append(measure("single", [single.base_url], [0] * work.num_requests, [single.base_url], work, args))
+        rows.append(measure("single", [single.base_url], [0] * work.num_requests, [single.base_url], prompts,
+                            args))
     finally:
         single.stop()
     return rows, info
@@ -249,13 +271,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default="routing,tp", help="routing, tp or both (comma-separated)")
     p.add_argument("--dtype", default="bfloat16", help="the routing workers' dtype")
     p.add_argument("--policies", default="cache_aware,round_robin", help="router policies to run")
-    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--groups", type=int, default=15, help="odd")
     p.add_argument("--questions", type=int, default=16, help="per group")
-    p.add_argument("--system-len", type=int, default=768)
-    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--system-len", type=int, default=384)
+    p.add_argument("--question-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--pool-tokens", type=int, default=7000,
+    p.add_argument("--pool-tokens", type=int, default=4000,
                    help="KV pool per worker (the single worker gets twice this)")
     p.add_argument("--tp-dtypes", default="bfloat16,float32")
     p.add_argument("--prefill-prompts", type=int, default=8)
@@ -273,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown := set(args.parts) - {"routing", "tp"}:
         p.error(f"unknown part(s) {sorted(unknown)}; choose routing, tp")
     if args.quick:
-        args.groups, args.questions, args.system_len, args.question_len = 4, 3, 96, 8
+        args.groups, args.questions, args.system_len, args.question_len = 5, 3, 96, 8
         args.output_len, args.concurrency, args.pool_tokens = 4, 4, 400
         args.prefill_prompts, args.prefill_len, args.decode_batch, args.decode_len = 2, 64, 4, 8
         args.tp_pool_tokens = 2048

@@ -141,10 +141,14 @@ def assert_same(a: list[dict], b: list[dict]) -> None:
             np.testing.assert_allclose(lx, ly, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3-hd128", "qwen2"])
-def test_tp2_greedy_equals_tp1_with_hits_and_chunks(name: str, tiny_model_dir, default_model_path) -> None:
+@pytest.mark.parametrize("name,collectives", [("llama", "shm"), ("llama", "gloo"), ("qwen3-hd128", "shm"),
+                                              ("qwen2", "shm")])
+def test_tp2_greedy_equals_tp1_with_hits_and_chunks(name: str, collectives: str, tiny_model_dir,
+                                                     default_model_path, monkeypatch) -> None:
     """llama: 2 KV heads, one per rank; qwen3-hd128: 1 KV head, replicated (q/k norm); qwen2:
-    q/k/v biases and tied embeddings (the LM head is the vocab-split embedding)."""
+    q/k/v biases and tied embeddings (the LM head is the vocab-split embedding).  ``gloo``: every
+    collective through torch.distributed's gloo instead of the shared-memory file."""
+    monkeypatch.setenv("RADIXSERVE_TP_SHM", "1" if collectives == "shm" else "0")
     folder = with_tokenizer(tiny_model_dir(name), default_model_path)
     prompts, params = workload(1)
     settings = {"max_total_tokens": 2048, "chunked_prefill_size": 16}

@@ -118,7 +118,8 @@ def init_group(rank: int, size: int, folder: str, device: str) -> TensorParallel
 
     The rendezvous is a file in the server's private temp folder, and gloo is bound to the
     loopback interface: nothing listens beyond this host.  On a CPU the ranks also map one
-    shared-memory file for the per-layer collectives (:mod:`radixserve.distributed.shm`).
+    shared-memory file for the per-layer collectives (:mod:`radixserve.distributed.shm`),
+    unless ``RADIXSERVE_TP_SHM=0`` (every collective through gloo).
     """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     on_gpu = device.startswith("cuda")
@@ -131,7 +132,8 @@ def init_group(rank: int, size: int, folder: str, device: str) -> TensorParallel
         world_size=size,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    return TensorParallel(rank, size, _map_shared_memory(rank, size, folder) if shm.usable(device) else None)
+    use_shm = shm.usable(device) and os.environ.get("RADIXSERVE_TP_SHM", "1") != "0"
+    return TensorParallel(rank, size, _map_shared_memory(rank, size, folder) if use_shm else None)
 
 
 def _map_shared_memory(rank: int, size: int, folder: str) -> shm.ShmCollectives:
