@@ -143,14 +143,16 @@ class Batch:
         self.layer = AttentionLayerInfo(0, heads, kv, dim, dim**-0.5)
 
     def forward_batch(self, backend: Any) -> Any:
-        from radixserve.model.forward_batch import ForwardBatch
+        from radixserve.batch import ForwardBatch
 
-        return ForwardBatch.build(
+        fb = ForwardBatch.build(
             input_ids=[0] * self.q.shape[0], prefix_lens=self.prefix, extend_lens=self.new,
             req_pool_indices=list(range(len(self.prefix))), out_cache_loc=self.out_cache_loc,
             req_to_token=self.table, kv_pool=self.pool, attn_backend=backend,
             device=self.q.device,
         )
+        backend.prepare(fb)
+        return fb
 
     def run(self, backend: Any) -> tuple[Callable[[], torch.Tensor], Any]:
         fb = self.forward_batch(backend)

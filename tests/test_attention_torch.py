@@ -13,8 +13,8 @@ import torch
 
 from radixserve.attention.base import AttentionLayerInfo
 from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.batch import ForwardBatch
 from radixserve.cache.kv_pool import KVPool
-from radixserve.model.forward_batch import ForwardBatch
 
 NUM_LAYERS = 2
 HEAD_DIM = 16
@@ -91,6 +91,7 @@ def _run_case(
         kv_pool=pool,
         attn_backend=backend,
     )
+    backend.prepare(fb)
     scale = 1 / math.sqrt(HEAD_DIM)
     info = AttentionLayerInfo(layer_id, num_heads, num_kv, HEAD_DIM, scale)
     out = backend.forward(q, k, v, info, fb)
@@ -182,6 +183,7 @@ def _run_explicit(slot_rows: list[list[int]], extend_lens: list[int], num_heads:
         req_pool_indices=list(range(1, len(slot_rows) + 1)), out_cache_loc=torch.tensor(new_slots),
         req_to_token=req_to_token, kv_pool=pool, attn_backend=backend,
     )
+    backend.prepare(fb)
     scale = 1 / math.sqrt(head_dim)
     out = backend.forward(q, k, v, AttentionLayerInfo(0, num_heads, num_kv, head_dim, scale), fb)
     k_pool, v_pool = pool.get_kv(0)

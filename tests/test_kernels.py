@@ -28,8 +28,8 @@ from radixserve.kernels.kv_store import store_kv
 
 from radixserve.attention import create_backend
 from radixserve.attention.base import AttentionLayerInfo
+from radixserve.batch import ForwardBatch
 from radixserve.cache.kv_pool import KVPool
-from radixserve.model.forward_batch import ForwardBatch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # float32 on both (the GPU kernels keep float32 dots in IEEE precision); half types per issue.
@@ -329,6 +329,7 @@ def run_backends(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             out_cache_loc=case.new_slots, req_to_token=case.req_to_token, kv_pool=pool,
             attn_backend=backend, device=DEVICE,
         )
+        backend.prepare(fb)
         if name == "triton":
             width = case.q.shape[1] * case.q.shape[2]
             out = backend.forward(case.q, case.k, case.v, case.layer, fb,

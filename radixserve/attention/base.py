@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from radixserve.model.forward_batch import ForwardBatch
+    from radixserve.batch import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from radixserve.attention.base import AttentionLayerInfo
 from radixserve.attention.shared_prefix import SharedPrefixDecode, find_shared_prefixes
 
 if TYPE_CHECKING:
-    from radixserve.model.forward_batch import ForwardBatch
+    from radixserve.batch import ForwardBatch
 
 # Target size of the gathered K+V of one decode chunk (bytes, float32 of the default model's
 # geometry).  Measured on a 2-core EPYC: chunks of ~4 requests x 1100 tokens beat one big

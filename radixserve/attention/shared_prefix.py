@@ -22,7 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixserve.attention.base import AttentionLayerInfo
-    from radixserve.model.forward_batch import ForwardBatch
+    from radixserve.batch import ForwardBatch
 
 # Sharing shorter prefixes than this is not worth the extra pass.
 MIN_SHARED_TOKENS = 64

@@ -24,7 +24,7 @@ from radixserve.attention.gather_path import GatherPath
 from radixserve.attention.paged_plan import KernelPlan, build_plan
 
 if TYPE_CHECKING:
-    from radixserve.model.forward_batch import ForwardBatch
+    from radixserve.batch import ForwardBatch
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 KERNEL_MAX_GROUP = 32  # query heads per KV head (MAX_ROWS in paged_attention.cpp)

@@ -40,7 +40,7 @@ from radixserve.kernels.extend_attention import ExtendPlan, build_extend_plan, e
 from radixserve.kernels.kv_store import store_kv  # noqa: E402
 
 if TYPE_CHECKING:
-    from radixserve.model.forward_batch import ForwardBatch
+    from radixserve.batch import ForwardBatch
 
 
 @dataclass

@@ -90,7 +90,7 @@ class RankRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> None:
-        from radixserve.model.forward_batch import ForwardBatch
+        from radixserve.batch import ForwardBatch
 
         fb = ForwardBatch.build(
             input_ids=batch.input_ids,
@@ -104,6 +104,7 @@ class RankRunner:
             device=self.device,
             extra_logits_indices=batch.extra_logits if len(batch.extra_logits) else None,
         )
+        self.backend.prepare(fb)
         self.model.forward(fb)  # its logits go to rank 0 in the final gather
 
 

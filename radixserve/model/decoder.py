@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.attention.base import AttentionLayerInfo
+from radixserve.batch import ForwardBatch
 from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, fused_ops
 
 _ACTIVATIONS = {"silu": F.silu}

@@ -6,11 +6,11 @@ import numpy as np
 import torch
 
 from radixserve.attention import create_backend
+from radixserve.batch import ForwardBatch
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.distributed.step_message import StepBatch, pack_rows
 from radixserve.distributed.worker import WorkerLink
-from radixserve.model.forward_batch import ForwardBatch
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
 from radixserve.scheduler import prompt_logprobs
 from radixserve.scheduler.profiling import FORWARD_SCOPE, SAMPLING_SCOPE
@@ -94,7 +94,9 @@ class ModelRunner:
         """
         with torch.profiler.record_function(FORWARD_SCOPE):
             plan = prompt_logprobs.plan_rows(entries)
-            logits = self.model.forward(self.build_batch(entries, None if plan is None else plan.rows))
+            fb = self.build_batch(entries, None if plan is None else plan.rows)
+            self.backend.prepare(fb)
+            logits = self.model.forward(fb)
             if plan is None:
                 return logits
             # Rows [0, B): last new tokens (sampling); [B, B + E): the plan's rows, in plan order.

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.attention import create_backend
+from radixserve.batch import ForwardBatch
 from radixserve.cache.kv_pool import KVPool
-from radixserve.model.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -74,6 +74,7 @@ class ModelRunner:
             kv_pool=self.pool,
             attn_backend=self.backend,
         )
+        self.backend.prepare(fb)
         logits = self.model.forward(fb)
         for r, e in zip(reqs, extend_lens, strict=True):
             r.computed += e

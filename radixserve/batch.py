@@ -1,4 +1,9 @@
-"""Explicit batch metadata handed to the model's forward and to the attention backend."""
+"""Explicit batch metadata handed to the model's forward and to the attention backend.
+
+It lives outside the scheduler, the model and the attention backends because all three use it
+and none owns it.  Whoever runs the forward (the scheduler's model runner, a tensor-parallel
+rank) builds it and then has the backend prepare its per-forward plan:
+``backend.prepare(fb)``."""
 
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [max_running_requests, max_context_len] int32
     kv_pool: KVPool
     attn_backend: AttentionBackend
-    attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare(self)
+    attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare(self), the runner's call
     # [E] int64 token indices in [0, T) whose logits are wanted besides each request's last
     # new token (prompt logprobs); None when no request asked.
     extra_logits_indices: torch.Tensor | None = None
@@ -119,5 +124,4 @@ class ForwardBatch:
                 else torch.from_numpy(np.asarray(extra_logits_indices, dtype=np.int64)).to(device)
             ),
         )
-        attn_backend.prepare(fb)
         return fb
