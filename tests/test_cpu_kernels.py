@@ -24,6 +24,18 @@ def test_the_kernels_build_here() -> None:
     assert OPS is not None, "the C++ kernels did not build (is a C++ compiler installed?)"
 
 
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start() -> None:
+    """torch's build lock is a plain file; a build killed mid-way leaves it, and torch waits
+    for it forever.  The next load removes it (it holds the OS lock every builder takes)."""
+    stale = cpu_ext.build_dir() / "lock"
+    stale.touch()
+    code = "from radixserve import cpu_ext; assert cpu_ext.load() is not None"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "removing the lock of an interrupted build" in done.stderr
+    assert not stale.exists()
+
+
 def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -19,6 +19,7 @@ code never runs on a machine whose CPU lacks the instructions it was compiled fo
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -86,14 +87,23 @@ def _build() -> ModuleType | None:
     if fresh:
         log.info("compiling the CPU attention kernel once into %s (about a minute)", where)
     try:
-        return cpp_extension.load(
-            name="radixserve_paged_attention",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(where),
-            verbose=False,
-        )
+        # torch's own build lock is a plain file that a killed build leaves behind, and every
+        # later start would wait on it forever.  An flock is released by the OS however its
+        # holder ends: whoever holds it is the only builder, so a torch lock found then is stale.
+        with open(where / "build.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            stale = where / "lock"
+            if stale.exists():
+                log.warning("removing the lock of an interrupted build in %s", where)
+                stale.unlink()
+            return cpp_extension.load(
+                name="radixserve_paged_attention",
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(where),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, missing headers: serve on the torch path
         log.warning("CPU attention kernel unavailable (%s); using the torch gather path",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
