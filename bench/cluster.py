@@ -15,8 +15,8 @@ It reports the hit rate (cached / prompt tokens, from each response's usage), wa
 throughput and TTFT p50/p99 (streamed ``/v1/completions``).
 
 Tensor parallelism (offline ``Engine``): TP=2 (1 thread per rank) against TP=1 (2 threads):
-prefill tokens/s (unique prompts, one output token) and decode tokens/s (the extra wall time
-of decoding D more tokens for a batch).
+prefill tokens/s (unique prompts, one output token) and decode tokens/s (the time
+of the decode-only steps of a batch decoding D tokens, from the scheduler's counters).
 
     python bench/cluster.py                       # both parts, bfloat16 (+ float32 for TP)
     python bench/cluster.py --parts routing --groups 8 --questions 16
@@ -224,12 +224,16 @@ def routing_table(rows: list[dict[str, Any]]) -> str:
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------
-def timed(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
+def timed(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict[str, Any]]:
+    """Wall seconds of one cold batch, and the scheduler's counters over it."""
     engine.flush_cache()
+    before = engine.get_stats()
     t0 = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "ignore_eos": True,
                                                         "max_new_tokens": new_tokens}, progress=False)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = engine.get_stats()
+    return wall, {k: after[k] - before[k] for k in ("decode_only_seconds", "decode_only_tokens")}
 
 
 def run_tp(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
@@ -245,12 +249,14 @@ def run_tp(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
             with Engine(args.model, dtype=dtype, tp_size=tp, max_total_tokens=args.tp_pool_tokens,
                         log_level="warning") as eng:
                 timed(eng, batch[:2], 2)  # warm
-                prefill_s = timed(eng, prefill, 1)
-                first_s = timed(eng, batch, 1)
-                decode_s = timed(eng, batch, 1 + args.decode_len) - first_s
+                prefill_s, _ = timed(eng, prefill, 1)
+                # Decode speed: the decode-only steps' own time (scheduler counters), so
+                # that the batch's prefill is not counted.
+                _, decode = timed(eng, batch, 1 + args.decode_len)
+            decode_s = decode["decode_only_seconds"]
             rows.append({"dtype": dtype, "tp": tp, "config": label,
                          "prefill_tokens_per_s": len(prefill) * args.prefill_len / prefill_s,
-                         "decode_tokens_per_s": len(batch) * args.decode_len / decode_s,
+                         "decode_tokens_per_s": decode["decode_only_tokens"] / decode_s,
                          "prefill_s": prefill_s, "decode_s": decode_s})
             print(f"[{dtype} {label}] prefill {rows[-1]['prefill_tokens_per_s']:.0f} tok/s, "
                   f"decode {rows[-1]['decode_tokens_per_s']:.0f} tok/s", flush=True)

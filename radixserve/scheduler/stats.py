@@ -28,12 +28,16 @@ class SchedulerStats:
     # Per batch-size bucket (power of two of running requests) of decode-only steps:
     # [steps, seconds outside the forward], to report scheduler overhead at scale.
     overhead_by_batch: dict[str, list[float]] = field(default_factory=dict)
+    decode_only_seconds: float = 0.0  # whole decode-only steps: decode speed without prefill
+    decode_only_tokens: int = 0  # tokens those steps decoded
 
     def record_step(self, batch_size: int, decode_only: bool, step_s: float, forward_s: float) -> None:
         self.forward_steps += 1
         self.step_seconds += step_s
         self.forward_seconds += forward_s
         if decode_only:
+            self.decode_only_seconds += step_s
+            self.decode_only_tokens += batch_size
             bucket = str(1 << max(0, (batch_size - 1).bit_length()))
             entry = self.overhead_by_batch.setdefault(bucket, [0, 0.0])
             entry[0] += 1
