@@ -183,8 +183,6 @@ def test_default_model_tp2_equals_tp1(default_model_path) -> None:
         with Engine(dtype="float32", tp_size=tp, max_total_tokens=4096) as eng:
             outs.append(eng.generate(prompts, sampling_params={**GREEDY, "max_new_tokens": 24},
                                      progress=False))
-            info = eng.get_stats()
-            assert info["cached_tokens"] >= 0
     assert [x["output_ids"] for x in outs[0]] == [x["output_ids"] for x in outs[1]]
     assert [x["text"] for x in outs[0]] == [x["text"] for x in outs[1]]
 
