@@ -22,6 +22,7 @@ max stays ``-inf``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -174,33 +175,29 @@ def extend_work_items(
 
 
 def build_extend_plan(
-    table_rows: torch.Tensor,
+    table_rows: Any,
     prefix_lens: list[int],
     extend_lens: list[int],
     token_starts: list[int],
     head_dim: int,
     dtype: torch.dtype,
     config: ExtendConfig | None = None,
+    upload: Any = None,
 ) -> ExtendPlan:
-    """Host lists -> device arrays, in one host-to-device copy."""
+    """Host lists -> device arrays: staged in ``upload`` (a ``radixserve.transfer.Upload``:
+    the batch's one copy), or without one copied now in one host-to-device copy."""
     cfg = config or extend_config(head_dim, dtype)
     if cfg.block_m % cfg.block_n:
         raise ValueError("block_m must be a multiple of block_n")
     item_req, item_m = extend_work_items(prefix_lens, extend_lens, cfg.block_m)
-    n, items = len(extend_lens), len(item_req)
-    packed = np.concatenate(
-        [np.asarray(prefix_lens), np.asarray(extend_lens), np.asarray(token_starts), item_req, item_m]
-    ).astype(np.int64)
-    dev = torch.from_numpy(packed).to(table_rows.device)
-    return ExtendPlan(
-        table_rows=table_rows,
-        prefix_lens=dev[:n],
-        extend_lens=dev[n : 2 * n],
-        token_starts=dev[2 * n : 3 * n],
-        item_req=dev[3 * n : 3 * n + items],
-        item_m=dev[3 * n + items :],
-        config=cfg,
-    )
+    arrays = [np.asarray(a, dtype=np.int64) for a in (prefix_lens, extend_lens, token_starts, item_req, item_m)]
+    if upload is not None:
+        staged = [upload.add(a) for a in arrays]
+    else:
+        sizes = np.cumsum([len(a) for a in arrays])[:-1]
+        dev = torch.from_numpy(np.concatenate(arrays)).to(table_rows.device)
+        staged = list(torch.tensor_split(dev, sizes.tolist()))
+    return ExtendPlan(table_rows, *staged, config=cfg)
 
 
 def extend_attention(

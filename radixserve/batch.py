@@ -2,8 +2,13 @@
 
 It lives outside the scheduler, the model and the attention backends because all three use it
 and none owns it.  Whoever runs the forward (the scheduler's model runner, a tensor-parallel
-rank) builds it and then has the backend prepare its per-forward plan:
-``backend.prepare(fb)``."""
+rank) builds it from host arrays and then has the backend prepare it:
+``backend.prepare(fb)`` plans the attention on the host and sends the batch's one upload.
+
+Every index a forward uses is computed on the host and staged in ``fb.upload``; the device
+fields below are :class:`~radixserve.transfer.Staged` placeholders until it is sent (on a CPU
+they are tensors from the start).  Nothing here reads a device tensor back.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from radixserve.transfer import Upload, resolve
 
 if TYPE_CHECKING:
     from radixserve.attention.base import AttentionBackend
@@ -31,50 +38,69 @@ class ForwardBatch:
       ``[0, prefix_lens[b])``             already written, read by attention
       ``[prefix_lens[b], seq_lens[b])``   the new tokens' slots (== the matching part of
                                           ``out_cache_loc``), written by the backend first
+    ``table_host`` is the same table on the host, what attention plans are built from.
     """
 
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    out_cache_loc: torch.Tensor  # [T] int64 KV slot of each new token
-    req_pool_indices: torch.Tensor  # [B] int64 rows of req_to_token
-    prefix_lens: torch.Tensor  # [B] int64
-    extend_lens: torch.Tensor  # [B] int64
-    seq_lens: torch.Tensor  # [B] int64 = prefix_lens + extend_lens
-    # Host copies, so backends can size buffers without a device sync.
+    # Device side (Staged until ``send``).
+    input_ids: Any  # [T] int64
+    positions: Any  # [T] int64
+    out_cache_loc: Any  # [T] int64 KV slot of each new token
+    req_pool_indices: Any  # [B] int64 rows of req_to_token
+    prefix_lens: Any  # [B] int64
+    extend_lens: Any  # [B] int64
+    seq_lens: Any  # [B] int64 = prefix_lens + extend_lens
+    # The rows the LM head reads, indices in [0, T): [0, B) each request's last new token (what
+    # the sampler reads), then [B, B + E) the extra rows (prompt logprobs).
+    logits_indices: Any
+    req_to_token: torch.Tensor  # [max_running_requests, max_context_len] int32, on the device
+    # Host side.
+    rows_cpu: np.ndarray  # [B] int64 = req_pool_indices
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    req_to_token: torch.Tensor  # [max_running_requests, max_context_len] int32
+    table_host: np.ndarray  # req_to_token's host copy (rows [0, seq_len) agree once sent)
+    num_tokens: int
     kv_pool: KVPool
     attn_backend: AttentionBackend
+    upload: Upload
     attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare(self), the runner's call
-    # [E] int64 token indices in [0, T) whose logits are wanted besides each request's last
-    # new token (prompt logprobs); None when no request asked.
-    extra_logits_indices: torch.Tensor | None = None
+    num_extra_logits: int = 0  # E
+    # (flat index, slot) cells of req_to_token the device copy lacks; written by ``send``.
+    table_updates: tuple[Any, Any] | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.extend_lens_cpu)
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
     def seq_lens_cpu(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu, strict=True)]
+
+    @property
+    def token_starts_cpu(self) -> list[int]:
+        """First token index in ``[0, T)`` of each request's new tokens."""
+        starts, acc = [], 0
+        for e in self.extend_lens_cpu:
+            starts.append(acc)
+            acc += e
+        return starts
 
     @property
     def is_decode(self) -> bool:
         return all(e == 1 for e in self.extend_lens_cpu)
 
     @property
-    def logits_indices(self) -> torch.Tensor:
-        """The rows the LM head reads, indices in ``[0, T)``: ``[0, B)`` each request's last new
-        token (what the sampler reads), then ``[B, B + E)`` the extra rows."""
-        last = torch.cumsum(self.extend_lens, dim=0) - 1
-        if self.extra_logits_indices is None:
-            return last
-        return torch.cat([last, self.extra_logits_indices])
+    def device(self) -> torch.device:
+        return self.upload.device
+
+    def send(self) -> None:
+        """The batch's one host-to-device copy (what the backend staged included); then the
+        request table's missing cells are written on the device."""
+        self.upload.send()
+        resolve(self)
+        if self.table_updates is not None:
+            index, slots = self.table_updates
+            self.req_to_token.view(-1).index_copy_(0, index, slots)
+            self.table_updates = None
 
     @classmethod
     def build(
@@ -84,18 +110,23 @@ class ForwardBatch:
         prefix_lens: list[int],
         extend_lens: list[int],
         req_pool_indices: list[int],
-        out_cache_loc: torch.Tensor,
+        out_cache_loc: np.ndarray | torch.Tensor,
         req_to_token: torch.Tensor,
         kv_pool: KVPool,
         attn_backend: AttentionBackend,
         device: torch.device | str = "cpu",
         extra_logits_indices: np.ndarray | None = None,
+        table_host: np.ndarray | None = None,
+        table_updates: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> ForwardBatch:
-        """Build from host lists; positions are ``prefix_len + i`` for the i-th new token.
+        """Build from host arrays; positions are ``prefix_len + i`` for the i-th new token.
 
         ``extra_logits_indices``: token indices whose logits the forward also returns (after
-        the B last-token rows), e.g. for prompt logprobs.
+        the B last-token rows), e.g. for prompt logprobs.  ``table_host``: the host copy of
+        ``req_to_token`` (read from the device when not given: for callers outside the step
+        loop); ``table_updates``: the cells of it the device copy lacks.
         """
+        upload = Upload(device)
         prefix_np = np.asarray(prefix_lens, dtype=np.int64)
         extend_np = np.asarray(extend_lens, dtype=np.int64)
         # Token t of request b sits at position prefix_lens[b] + (t - first token index of b).
@@ -103,25 +134,35 @@ class ForwardBatch:
         positions = np.arange(int(extend_np.sum()), dtype=np.int64) + np.repeat(
             prefix_np - starts, extend_np
         )
-        prefix_t = torch.from_numpy(prefix_np)
-        extend_t = torch.from_numpy(extend_np)
-        fb = cls(
-            input_ids=torch.as_tensor(np.asarray(input_ids, dtype=np.int64)).to(device),
-            positions=torch.from_numpy(positions).to(device),
-            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=device),
-            prefix_lens=prefix_t.to(device),
-            extend_lens=extend_t.to(device),
-            seq_lens=(prefix_t + extend_t).to(device),
+        last = np.cumsum(extend_np) - 1
+        extra = np.zeros(0, dtype=np.int64) if extra_logits_indices is None else extra_logits_indices
+        if isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.device.type != "cpu":
+            out_loc: Any = out_cache_loc.to(torch.int64)  # a caller's device tensor, as given
+        else:
+            out_loc = upload.add(np.asarray(out_cache_loc))
+        if table_host is None:
+            table_host = req_to_token.cpu().numpy()
+        updates = None
+        if table_updates is not None:
+            updates = (upload.add(table_updates[0]), upload.add(table_updates[1], np.int32))
+        return cls(
+            input_ids=upload.add(input_ids),
+            positions=upload.add(positions),
+            out_cache_loc=out_loc,
+            req_pool_indices=upload.add(req_pool_indices),
+            prefix_lens=upload.add(prefix_np),
+            extend_lens=upload.add(extend_np),
+            seq_lens=upload.add(prefix_np + extend_np),
+            logits_indices=upload.add(np.concatenate([last, np.asarray(extra, dtype=np.int64)])),
+            req_to_token=req_to_token,
+            rows_cpu=np.asarray(req_pool_indices, dtype=np.int64),
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=list(extend_lens),
-            req_to_token=req_to_token,
+            table_host=table_host,
+            num_tokens=len(positions),
             kv_pool=kv_pool,
             attn_backend=attn_backend,
-            extra_logits_indices=(
-                None
-                if extra_logits_indices is None or len(extra_logits_indices) == 0
-                else torch.from_numpy(np.asarray(extra_logits_indices, dtype=np.int64)).to(device)
-            ),
+            upload=upload,
+            num_extra_logits=len(extra),
+            table_updates=updates,
         )
-        return fb

@@ -15,6 +15,7 @@ _GRAMMAR_BACKENDS = ("xgrammar", "none")
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "prompted")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 DEFAULT_MAX_RUNNING_REQUESTS = 128  # rows of the request-to-token table when unset
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
 def cpu_bf16_feature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
@@ -61,6 +62,9 @@ class ServerArgs:
     disk_cache_size: int = 1_000_000  # disk KV tier in tokens
     disable_radix_cache: bool = False
     tp_size: int = 1  # tensor-parallel ranks (processes), each with a shard of the model and KV
+    cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph; 256 on CUDA
+    disable_cuda_graph: bool = False  # run every decode eagerly on CUDA
+    load_format: str = "auto"  # "dummy": random weights from the model's config.json (benchmarks)
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
     stream_interval: int = 1  # send streamed tokens every N decode steps
@@ -126,6 +130,11 @@ class ServerArgs:
             raise ValueError("host and disk KV tiers and swap preemption copy KV pages that tensor "
                              "parallelism splits over its ranks: they are not available with "
                              "tp_size > 1")
+        if self.cuda_graph_max_bs is not None and (not isinstance(self.cuda_graph_max_bs, int)
+                                                   or self.cuda_graph_max_bs < 0):
+            raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_bs!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError("max_pinned_fraction must be in [0, 1]")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
@@ -187,6 +196,11 @@ class ServerArgs:
                              f"{torch.cuda.device_count()} are visible")
         page_size = self.page_size or (16 if on_gpu else 1)
         chunk = self.chunked_prefill_size or (8192 if on_gpu else 1024)
+        graph_bs = self.cuda_graph_max_bs
+        if graph_bs is None:
+            graph_bs = DEFAULT_CUDA_GRAPH_MAX_BS if on_gpu else 0
+        if self.disable_cuda_graph or not on_gpu:
+            graph_bs = 0  # CUDA graphs exist only on CUDA
         return dataclasses.replace(
             self,
             device=device,
@@ -194,6 +208,7 @@ class ServerArgs:
             attention_backend=backend,
             page_size=page_size,
             chunked_prefill_size=chunk,
+            cuda_graph_max_bs=graph_bs,
         )
 
     def to_dict(self) -> dict[str, Any]:

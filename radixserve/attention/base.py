@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixserve.batch import ForwardBatch
+    from radixserve.cache.kv_pool import KVPool
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,21 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
-    @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:
-        """Build per-forward metadata once (stored in ``fb.attn_metadata``); layers reuse it."""
+        """Plan the forward on the host, then send the batch's one upload (the plan's device
+        arrays travel in it)."""
+        self.plan(fb)
+        fb.send()
+        self.finish(fb)
+
+    @abstractmethod
+    def plan(self, fb: ForwardBatch) -> None:
+        """Build per-forward metadata once (stored in ``fb.attn_metadata``); layers reuse it.
+        Only host fields may be read; device arrays are staged in ``fb.upload``."""
+
+    def finish(self, fb: ForwardBatch) -> None:  # noqa: B027 (optional hook: most backends need none)
+        """After the upload: derive device-side metadata from the sent arrays (device ops
+        only, nothing read back)."""
 
     @abstractmethod
     def forward(
@@ -40,3 +53,13 @@ class AttentionBackend(ABC):
         fb: ForwardBatch,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         """Store k/v at ``fb.out_cache_loc`` in layer ``layer.layer_id``, then attend causally."""
+
+    # ---- CUDA graphs (scheduler/cuda_graph.py) -----------------------------------------
+    def graph_compatible(self, fb: ForwardBatch) -> bool:
+        """Whether this decode batch may replay a captured graph (whose plan is static)."""
+        return False
+
+    def graph_plan(self, table_rows: torch.Tensor, seq_lens: torch.Tensor, token_idx: torch.Tensor,
+                   layer: AttentionLayerInfo, kv_pool: KVPool, max_context_len: int) -> object:
+        """The static decode metadata of a captured graph over these buffers."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph decode")

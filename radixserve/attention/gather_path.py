@@ -15,16 +15,18 @@ Each forward splits the batch into two groups so that a long prefill never pads 
 Keys and values are gathered from the pool by slot into a workspace that is reused across
 layers and steps (allocating a fresh gather buffer per layer costs more than the gather
 itself on CPU).  Decode rows are processed in chunks of rows whose gathered K/V fit in a few
-MiB, so SDPA reads them back from cache instead of memory.  All index tensors and masks are
-built once per forward in :meth:`GatherPath.prepare`; the per-layer work is a
-bounded number of tensor ops.
+MiB, so SDPA reads them back from cache instead of memory.  All index arrays are
+computed on the host once per forward in :meth:`GatherPath.plan` (they travel in the batch's one
+upload), the slot grids and masks derived from them on the device in :meth:`GatherPath.finish`;
+nothing reads a device tensor back, and the per-layer work is a bounded number of tensor ops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -42,29 +44,58 @@ DECODE_CHUNK_BYTES = 7 << 20
 
 @dataclass
 class _DecodeChunk:
-    rows: torch.Tensor  # [n] positions within the decode group
-    slots: torch.Tensor  # [n * L] int64 KV slots; padding points at slot 0
-    mask: torch.Tensor | None  # [n, 1, 1, L] bool, True where key j < seq_len; None if no pad
+    rows: Any  # [n] positions within the decode group
+    table_rows: Any  # [n] rows of req_to_token
+    lens: Any  # [n] keys of each row
     max_len: int  # L
+    padded: bool  # some row has fewer than L keys
+    # Derived on the device once the upload is sent:
+    slots: torch.Tensor | None = None  # [n * L] int64 KV slots; padding points at slot 0
+    mask: torch.Tensor | None = None  # [n, 1, 1, L] bool, True where key j < seq_len; None if no pad
+
+    def finish(self, req_to_token: torch.Tensor) -> None:
+        live = torch.arange(self.max_len, device=req_to_token.device)[None, :] < self.lens[:, None]
+        slots = req_to_token[:, : self.max_len].index_select(0, self.table_rows).to(torch.int64)
+        self.slots = torch.where(live, slots, 0).reshape(-1)
+        self.mask = live[:, None, None, :] if self.padded else None
 
 
 @dataclass
 class _DecodeGroup:
-    token_idx: torch.Tensor  # [Bd] index into the T new tokens
+    token_idx: Any  # [Bd] index into the T new tokens
     chunks: list[_DecodeChunk]  # rows without a shared prefix
     shared: SharedPrefixDecode | None = None  # rows that share a cached prefix
 
 
 @dataclass
 class _ExtendGroup:
-    query_idx: torch.Tensor  # [Be * Emax] index into the T new tokens (padding -> 0)
-    valid: torch.Tensor  # [Be * Emax] bool, False on padded query rows
-    token_idx: torch.Tensor  # [sum extend_len] index into T of the valid query rows, in order
-    slots: torch.Tensor | None  # [Be * Lmax] KV slots, None when keys are the new tokens only
-    mask: torch.Tensor | None  # [Be, 1, Emax, Lmax] bool, None when plain causal suffices
+    query_idx: Any  # [Be * Emax] index into the T new tokens (padding -> 0)
+    valid_idx: Any  # [sum extend_len] positions in [0, Be * Emax) of the real query rows
+    token_idx: Any  # [sum extend_len] index into T of the valid query rows, in order
     num_rows: int  # Be
     max_extend: int  # Emax
     max_len: int  # Lmax
+    # None when the keys are the new tokens only (one fresh prompt: plain causal attention).
+    table_rows: Any = None  # [Be] rows of req_to_token
+    prefix_lens: Any = None  # [Be]
+    seq_lens: Any = None  # [Be]
+    # Derived on the device once the upload is sent:
+    slots: torch.Tensor | None = None  # [Be * Lmax] KV slots
+    mask: torch.Tensor | None = None  # [Be, 1, Emax, Lmax] bool
+
+    def finish(self, req_to_token: torch.Tensor) -> None:
+        if self.table_rows is None:
+            return
+        # Key grid [Be, Lmax]: columns [0, prefix_len) cached, [prefix_len, seq_len) new,
+        # [seq_len, Lmax) padding -> slot 0.  New token i may see key j iff j <= prefix_len + i.
+        device = req_to_token.device
+        kj = torch.arange(self.max_len, device=device)
+        qi = torch.arange(self.max_extend, device=device)
+        live = kj[None, :] < self.seq_lens[:, None]  # [Be, Lmax]
+        slots = req_to_token[:, : self.max_len].index_select(0, self.table_rows).to(torch.int64)
+        self.slots = torch.where(live, slots, 0).reshape(-1)
+        causal = kj[None, None, :] <= (self.prefix_lens[:, None, None] + qi[None, :, None])
+        self.mask = (causal & live[:, None, :])[:, None]  # padded queries keep key 0: no empty rows
 
 
 def bucket_extend_rows(rows: list[int], extend_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -104,22 +135,17 @@ class GatherPath:
 
     # ---------------------------------------------------------------- metadata (once per step)
 
-    def prepare(self, fb: ForwardBatch) -> None:
-        device = fb.input_ids.device
+    def plan(self, fb: ForwardBatch) -> None:
+        """Host decisions and staged index arrays; :meth:`finish` derives the rest on the
+        device once they are there."""
         extend_lens = fb.extend_lens_cpu
         seq_lens = fb.seq_lens_cpu
-        # Start of each request's new tokens in [0, T).
-        starts, acc = [], 0
-        for e in extend_lens:
-            starts.append(acc)
-            acc += e
+        starts = fb.token_starts_cpu
         dec_rows = [b for b, e in enumerate(extend_lens) if e == 1]
         ext_rows = [b for b, e in enumerate(extend_lens) if e > 1]
-        decode = None
-        if dec_rows:
-            decode = self._prepare_decode(fb, dec_rows, starts, seq_lens, device)
+        decode = self._plan_decode(fb, dec_rows, starts, seq_lens) if dec_rows else None
         extend = [
-            self._prepare_extend(fb, bucket, starts, seq_lens, device)
+            self._plan_extend(fb, bucket, starts, seq_lens)
             for bucket in bucket_extend_rows(ext_rows, extend_lens, seq_lens)
         ]
         fb.attn_metadata = TorchAttentionMetadata(
@@ -128,22 +154,26 @@ class GatherPath:
             single_group=(decode is None and len(extend) == 1) or (decode is not None and not extend),
         )
 
-    def _prepare_decode(
-        self,
-        fb: ForwardBatch,
-        rows: list[int],
-        starts: list[int],
-        seq_lens: list[int],
-        device: torch.device,
+    def finish(self, fb: ForwardBatch) -> None:
+        meta: TorchAttentionMetadata = fb.attn_metadata
+        if meta.decode is not None:
+            for chunk in meta.decode.chunks:
+                chunk.finish(fb.req_to_token)
+            if meta.decode.shared is not None:
+                meta.decode.shared.finish(fb.req_to_token)
+        for group in meta.extend:
+            group.finish(fb.req_to_token)
+
+    def _plan_decode(
+        self, fb: ForwardBatch, rows: list[int], starts: list[int], seq_lens: list[int]
     ) -> _DecodeGroup:
-        pool = fb.kv_pool
+        pool, upload = fb.kv_pool, fb.upload
         bytes_per_key = 2 * pool.num_kv_heads * pool.head_dim * 4
         budget = max(1, DECODE_CHUNK_BYTES // bytes_per_key)  # padded keys per chunk
         # Longest contexts first, so each chunk pads its rows to similar lengths; a chunk takes
         # rows while (rows * its longest seq_len) fits the budget (always at least one row).
-        shared, plain = find_shared_prefixes(fb, rows, seq_lens, device)
+        shared, plain = find_shared_prefixes(fb, rows, seq_lens)
         order = sorted(plain, key=lambda i: -seq_lens[rows[i]])
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
         chunks = []
         i = 0
         while i < len(order):
@@ -151,62 +181,43 @@ class GatherPath:
             n = max(1, min(len(order) - i, budget // n_len))
             members = order[i : i + n]
             i += n
-            chunk_lens = [seq_lens[rows[m]] for m in members]
-            rows_in_group = torch.tensor(members, dtype=torch.int64, device=device)
-            batch_rows = rows_t.index_select(0, rows_in_group)
-            # Columns [0, seq_len) of a row are live slots; [seq_len, n_len) pad -> slot 0.
-            lens = fb.seq_lens.index_select(0, batch_rows)
-            live = torch.arange(n_len, device=device)[None, :] < lens[:, None]  # [n, L]
-            table_rows = fb.req_pool_indices.index_select(0, batch_rows)
-            slots = fb.req_to_token[:, :n_len].index_select(0, table_rows).to(torch.int64)
-            slots = torch.where(live, slots, 0).reshape(-1)
-            mask = None if min(chunk_lens) == n_len else live[:, None, None, :]
-            chunks.append(_DecodeChunk(rows_in_group, slots, mask, n_len))
-        token_idx = torch.tensor([starts[b] for b in rows], dtype=torch.int64, device=device)
-        return _DecodeGroup(token_idx=token_idx, chunks=chunks, shared=shared)
+            batch_rows = [rows[m] for m in members]
+            lens = [seq_lens[b] for b in batch_rows]
+            chunks.append(_DecodeChunk(
+                rows=upload.add(members),
+                table_rows=upload.add(fb.rows_cpu[batch_rows]),
+                lens=upload.add(lens),
+                max_len=n_len,
+                padded=min(lens) != n_len,
+            ))
+        return _DecodeGroup(token_idx=upload.add([starts[b] for b in rows]), chunks=chunks, shared=shared)
 
-    def _prepare_extend(
-        self,
-        fb: ForwardBatch,
-        rows: list[int],
-        starts: list[int],
-        seq_lens: list[int],
-        device: torch.device,
+    def _plan_extend(
+        self, fb: ForwardBatch, rows: list[int], starts: list[int], seq_lens: list[int]
     ) -> _ExtendGroup:
-        prefix_lens = fb.prefix_lens_cpu
-        extend_lens = fb.extend_lens_cpu
-        n = len(rows)
-        max_extend = max(extend_lens[b] for b in rows)
-        max_len = max(seq_lens[b] for b in rows)
-        rows_idx = torch.tensor(rows, dtype=torch.int64, device=device)
-        ext = fb.extend_lens.index_select(0, rows_idx)  # [Be]
-        pre = fb.prefix_lens.index_select(0, rows_idx)  # [Be]
-        seq = pre + ext
-        start = torch.tensor([starts[b] for b in rows], dtype=torch.int64, device=device)
-
+        upload = fb.upload
+        ext = np.asarray([fb.extend_lens_cpu[b] for b in rows], dtype=np.int64)
+        pre = np.asarray([fb.prefix_lens_cpu[b] for b in rows], dtype=np.int64)
+        start = np.asarray([starts[b] for b in rows], dtype=np.int64)
+        max_extend, max_len = int(ext.max()), int((pre + ext).max())
         # Query grid [Be, Emax]: column i < extend_len is new token start + i; the rest pads.
-        qi = torch.arange(max_extend, device=device)
-        valid = qi[None, :] < ext[:, None]
-        query_idx = torch.where(valid, start[:, None] + qi[None, :], 0).reshape(-1)
-        valid = valid.reshape(-1)
-        token_idx = query_idx[valid]
+        qi = np.arange(max_extend)
+        valid = (qi[None, :] < ext[:, None]).reshape(-1)
+        query_idx = np.where(valid, (start[:, None] + qi[None, :]).reshape(-1), 0)
+        group = _ExtendGroup(
+            query_idx=upload.add(query_idx),
+            valid_idx=upload.add(np.flatnonzero(valid)),
+            token_idx=upload.add(query_idx[valid]),
+            num_rows=len(rows),
+            max_extend=max_extend,
+            max_len=max_len,
+        )
+        if len(rows) > 1 or pre[0] > 0:  # otherwise one fresh prompt: plain causal attention
+            group.table_rows = upload.add(fb.rows_cpu[rows])
+            group.prefix_lens = upload.add(pre)
+            group.seq_lens = upload.add(pre + ext)
+        return group
 
-        if n == 1 and prefix_lens[rows[0]] == 0:
-            # One fresh prompt: keys are exactly the new tokens; plain causal attention.
-            return _ExtendGroup(query_idx, valid, token_idx, None, None, 1, max_extend, max_len)
-
-        # Key grid [Be, Lmax]: columns [0, prefix_len) cached, [prefix_len, seq_len) new,
-        # [seq_len, Lmax) padding -> slot 0.  New token i may see key j iff j <= prefix_len + i.
-        kj = torch.arange(max_len, device=device)
-        live = kj[None, :] < seq[:, None]  # [Be, Lmax]
-        table_rows = fb.req_pool_indices.index_select(0, rows_idx)
-        slots = fb.req_to_token[:, :max_len].index_select(0, table_rows).to(torch.int64)
-        slots = torch.where(live, slots, 0).reshape(-1)
-        causal = kj[None, None, :] <= (pre[:, None, None] + qi[None, :, None])  # [Be, Emax, Lmax]
-        mask = (causal & live[:, None, :])[:, None]  # padded queries keep key 0: no empty rows
-        return _ExtendGroup(query_idx, valid, token_idx, slots, mask, n, max_extend, max_len)
-
-    # ---------------------------------------------------------------- per layer
 
     def _buffers(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reusable [2, numel] buffer for gathered K and V (grows, never shrinks)."""
@@ -236,9 +247,9 @@ class GatherPath:
             return self._extend(q, k, v, k_pool, v_pool, layer, meta.extend[0])
         out = q.new_empty((num_tokens, width))
         if meta.decode is not None:
-            out[meta.decode.token_idx] = self._decode(q, k_pool, v_pool, layer, meta.decode)
+            out.index_copy_(0, meta.decode.token_idx, self._decode(q, k_pool, v_pool, layer, meta.decode))
         for group in meta.extend:
-            out[group.token_idx] = self._extend(q, k, v, k_pool, v_pool, layer, group)
+            out.index_copy_(0, group.token_idx, self._extend(q, k, v, k_pool, v_pool, layer, group))
         return out
 
     def _decode(
@@ -316,5 +327,5 @@ class GatherPath:
         )
         o = o.transpose(1, 2).reshape(be * emax, heads * dim)
         if be > 1 or emax != group.token_idx.shape[0]:
-            o = o[group.valid]
+            o = o.index_select(0, group.valid_idx)
         return o.to(q.dtype)

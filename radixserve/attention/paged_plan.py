@@ -44,15 +44,15 @@ class KernelPlan:
                 self.entry_limit, self.row_entry_ptr, self.row_entries)
 
 
-def find_shared_groups(table: np.ndarray, rows: np.ndarray,
-                       prefix_lens: np.ndarray) -> list[tuple[np.ndarray, int]]:
+def find_shared_groups(table: np.ndarray, rows: np.ndarray, prefix_lens: np.ndarray,
+                       min_shared: int = MIN_SHARED_TOKENS) -> list[tuple[np.ndarray, int]]:
     """Requests (positions into ``rows``) whose cached prefixes start with the same slots, and
     the length of the run of slots they all share (at most their shortest ``prefix_len``).
 
     Two rows with the same first slot share a tree path (a slot belongs to one node), so
     grouping by the first slot and measuring the common run finds the shared prefix.
     """
-    candidates = np.flatnonzero(prefix_lens >= MIN_SHARED_TOKENS)
+    candidates = np.flatnonzero(prefix_lens >= min_shared)
     if len(candidates) < 2:
         return []
     firsts = table[rows[candidates], 0]
@@ -66,7 +66,7 @@ def find_shared_groups(table: np.ndarray, rows: np.ndarray,
         sub = table[rows[members], :limit]
         differs = np.flatnonzero((sub != sub[:1]).any(axis=0))
         shared = int(differs[0]) if len(differs) else limit
-        if shared >= MIN_SHARED_TOKENS:
+        if shared >= min_shared:
             groups.append((np.sort(members), shared))
     return groups
 

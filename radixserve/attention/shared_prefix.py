@@ -16,9 +16,12 @@ shared slots, ``[Ls, seq_len)`` are the row's own.  Everything runs in float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from radixserve.attention.paged_plan import find_shared_groups
 
 if TYPE_CHECKING:
     from radixserve.attention.base import AttentionLayerInfo
@@ -31,16 +34,35 @@ MIN_SHARED_TOKENS = 64
 @dataclass
 class _SharedGroup:
     members: slice  # positions in SharedPrefixDecode.rows
-    slots: torch.Tensor  # [Ls] int64 shared KV slots
+    table_row: int  # the row of req_to_token the shared slots are read from
+    length: int  # Ls
+    slots: torch.Tensor | None = None  # [Ls] int64 shared KV slots, derived on the device
 
 
 @dataclass
 class SharedPrefixDecode:
-    rows: torch.Tensor  # [R] positions within the decode rows, grouped
+    rows: Any  # [R] positions within the decode rows, grouped
     groups: list[_SharedGroup]
-    suffix_slots: torch.Tensor  # [R * Lu] int64, padding -> slot 0
-    suffix_live: torch.Tensor  # [R, 1, 1, Lu] bool
-    suffix_len: int  # Lu
+    table_rows: Any  # [R] rows of req_to_token
+    suffix_starts: Any  # [R] Ls of the row's group: its own keys start there
+    suffix_lens: Any  # [R] the row's own keys
+    suffix_len: int  # Lu, the longest of them
+    # Derived on the device once the upload is sent:
+    suffix_slots: torch.Tensor | None = None  # [R * Lu] int64, padding -> slot 0
+    suffix_live: torch.Tensor | None = None  # [R, 1, 1, Lu] bool
+
+    def finish(self, req_to_token: torch.Tensor) -> None:
+        """Slot grids from the device table (Python ints and uploaded arrays only: no sync)."""
+        for grp in self.groups:
+            grp.slots = req_to_token[grp.table_row, : grp.length].to(torch.int64)
+        lu = self.suffix_len
+        ar = torch.arange(lu, device=req_to_token.device)
+        # Suffix of row b: table columns [Ls_b, seq_len_b), padded to Lu with slot 0.
+        live = ar[None, :] < self.suffix_lens[:, None]  # [R, Lu]
+        col = torch.where(live, self.suffix_starts[:, None] + ar[None, :], 0).clamp_(max=req_to_token.shape[1] - 1)
+        table = req_to_token.index_select(0, self.table_rows)
+        self.suffix_slots = torch.where(live, table.gather(1, col).to(torch.int64), 0).reshape(-1)
+        self.suffix_live = live[:, None, None, :]
 
     def forward(self, qd: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 layer: AttentionLayerInfo) -> torch.Tensor:
@@ -76,55 +98,33 @@ class SharedPrefixDecode:
         return (ws * out_s + wu * out_u) / (ws + wu)
 
 
-def find_shared_prefixes(fb: ForwardBatch, rows: list[int], seq_lens: list[int],
-                         device: torch.device) -> tuple[SharedPrefixDecode | None, list[int]]:
-    """Group decode rows whose table rows start with the same slots.
+def find_shared_prefixes(fb: ForwardBatch, rows: list[int],
+                         seq_lens: list[int]) -> tuple[SharedPrefixDecode | None, list[int]]:
+    """Group decode rows whose table rows start with the same slots, on the host table.
 
     Returns the grouped part (or None) and the positions (into ``rows``) left for the plain
-    path.  Two rows that share their first slot share a tree path, so grouping by the first
-    slot and measuring the common run of slots finds the shared prefix in a few tensor ops.
+    path.  The newest token of each row is its own: at least one suffix key per row.
     """
     if len(rows) < 2:
         return None, list(range(len(rows)))
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    table_rows = fb.req_pool_indices.index_select(0, rows_t)
-    first = fb.req_to_token[:, 0].index_select(0, table_rows).tolist()
-    by_first: dict[int, list[int]] = {}
-    for pos, slot in enumerate(first):
-        by_first.setdefault(slot, []).append(pos)
-
-    grouped: list[tuple[list[int], int, torch.Tensor]] = []
-    for members in by_first.values():
-        # The newest token of each row is its own; at least one suffix key per row.
-        limit = min(seq_lens[rows[p]] for p in members) - 1
-        if len(members) < 2 or limit < MIN_SHARED_TOKENS:
-            continue
-        sub = fb.req_to_token[:, :limit].index_select(0, table_rows[members])
-        differs = (sub != sub[:1]).any(dim=0).nonzero()
-        shared = int(differs[0]) if differs.numel() else limit
-        if shared >= MIN_SHARED_TOKENS:
-            grouped.append((members, shared, sub[0, :shared].to(torch.int64)))
-    if not grouped:
+    table_rows = fb.rows_cpu[rows]
+    prefix = np.asarray([seq_lens[b] - 1 for b in rows], dtype=np.int64)
+    found = find_shared_groups(fb.table_host, table_rows, prefix, MIN_SHARED_TOKENS)
+    if not found:
         return None, list(range(len(rows)))
-
     order: list[int] = []
     groups: list[_SharedGroup] = []
     starts: list[int] = []
-    for members, shared, slots in grouped:
-        groups.append(_SharedGroup(slice(len(order), len(order) + len(members)), slots))
-        order.extend(members)
+    for members, shared in found:
+        groups.append(_SharedGroup(slice(len(order), len(order) + len(members)),
+                                   int(table_rows[members[0]]), shared))
+        order.extend(members.tolist())
         starts.extend([shared] * len(members))
     in_group = set(order)
     plain = [p for p in range(len(rows)) if p not in in_group]
-
-    # Suffix of row b: table columns [Ls_b, seq_len_b), padded to Lu with slot 0.
-    order_t = torch.tensor(order, dtype=torch.int64, device=device)
-    start_t = torch.tensor(starts, dtype=torch.int64, device=device)
     lens = [seq_lens[rows[p]] - s for p, s in zip(order, starts, strict=True)]
-    lu = max(lens)
-    col = start_t[:, None] + torch.arange(lu, device=device)[None, :]  # [R, Lu]
-    live = torch.arange(lu, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
-    table = fb.req_to_token.index_select(0, table_rows.index_select(0, order_t))
-    col = torch.where(live, col, 0).clamp_(max=table.shape[1] - 1)
-    slots = torch.where(live, table.gather(1, col).to(torch.int64), 0).reshape(-1)
-    return SharedPrefixDecode(order_t, groups, slots, live[:, None, None, :], lu), plain
+    upload = fb.upload
+    return SharedPrefixDecode(
+        rows=upload.add(order), groups=groups, table_rows=upload.add(table_rows[order]),
+        suffix_starts=upload.add(starts), suffix_lens=upload.add(lens), suffix_len=max(lens),
+    ), plain

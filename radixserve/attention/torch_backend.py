@@ -44,16 +44,18 @@ class TorchAttentionBackend(AttentionBackend):
         return self._kernel is not None
 
     def _kernel_fits(self, fb: ForwardBatch) -> bool:
-        return (self._kernel is not None and fb.input_ids.device.type == "cpu"
+        return (self._kernel is not None and fb.device.type == "cpu"
                 and fb.kv_pool.head_dim in KERNEL_HEAD_DIMS)
 
-    def prepare(self, fb: ForwardBatch) -> None:
+    def plan(self, fb: ForwardBatch) -> None:
         if not self._kernel_fits(fb):
-            self._gather.prepare(fb)
+            self._gather.plan(fb)
             return
-        table = fb.req_to_token.numpy()  # a view: the table lives on the host on CPU
-        rows = fb.req_pool_indices.tolist()
-        fb.attn_metadata = build_plan(table, rows, fb.prefix_lens_cpu, fb.extend_lens_cpu)
+        fb.attn_metadata = build_plan(fb.table_host, fb.rows_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu)
+
+    def finish(self, fb: ForwardBatch) -> None:
+        if not isinstance(fb.attn_metadata, KernelPlan):
+            self._gather.finish(fb)
 
     def forward(
         self,
@@ -66,7 +68,10 @@ class TorchAttentionBackend(AttentionBackend):
         fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         plan = fb.attn_metadata
         if isinstance(plan, KernelPlan) and layer.num_heads // layer.num_kv_heads > KERNEL_MAX_GROUP:
-            self._gather.prepare(fb)  # a model the kernel was not built for: this forward gathers
+            # A model the kernel was not built for: this forward gathers (on the CPU, where
+            # staged arrays are tensors at once).
+            self._gather.plan(fb)
+            self._gather.finish(fb)
             plan = fb.attn_metadata
         if not isinstance(plan, KernelPlan):
             return self._gather.forward(q, k, v, layer, fb)

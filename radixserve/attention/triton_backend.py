@@ -9,8 +9,8 @@ into one output tensor, so nothing is padded or scattered:
 
 Per layer that is: one KV store launch, then at most two decode launches (split + merge) and
 one extend launch.  Everything they index with (table rows, lengths, work items, the split
-workspace) is built once per forward in :meth:`TritonAttentionBackend.prepare`, from the
-host-side length lists, without a device sync.
+workspace) is planned once per forward in :meth:`TritonAttentionBackend.plan` from the host-side
+lists, and its arrays travel in the batch's one upload: no device sync.
 
 Without a CUDA device the kernels run in Triton's interpreter (slow; for tests and CPU
 debugging): ``TRITON_INTERPRET=1`` is set before Triton is first imported, here and in
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -41,13 +42,14 @@ from radixserve.kernels.kv_store import store_kv  # noqa: E402
 
 if TYPE_CHECKING:
     from radixserve.batch import ForwardBatch
+    from radixserve.cache.kv_pool import KVPool
 
 
 @dataclass
 class DecodePlan:
-    table_rows: torch.Tensor  # [Bd] rows of req_to_token
-    seq_lens: torch.Tensor  # [Bd] keys per row, the new token included
-    token_idx: torch.Tensor  # [Bd] the row's token in [0, T)
+    table_rows: Any  # [Bd] rows of req_to_token (uploaded with the batch)
+    seq_lens: Any  # [Bd] keys per row, the new token included
+    token_idx: Any  # [Bd] the row's token in [0, T)
     num_splits: int
     # [Bd, H, S, D] / [Bd, H, S] float32, allocated by the first layer and reused by the rest.
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -70,22 +72,16 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- metadata (once per step)
 
-    def prepare(self, fb: ForwardBatch) -> None:
-        device = fb.input_ids.device
+    def plan(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_lens_cpu
         dec_rows = [b for b, e in enumerate(extend_lens) if e == 1]
         ext_rows = [b for b, e in enumerate(extend_lens) if e > 1]
         # Token range of request b in [0, T): [starts[b], starts[b] + extend_lens[b]).
-        starts, acc = [], 0
-        for e in extend_lens:
-            starts.append(acc)
-            acc += e
-        decode = self._prepare_decode(fb, dec_rows, starts, device) if dec_rows else None
+        starts = fb.token_starts_cpu
+        decode = self._plan_decode(fb, dec_rows, starts) if dec_rows else None
         extend = None
         if ext_rows:
-            rows = fb.req_pool_indices
-            if dec_rows:
-                rows = rows.index_select(0, torch.tensor(ext_rows, device=device))
+            rows = fb.req_pool_indices if not dec_rows else fb.upload.add(fb.rows_cpu[ext_rows])
             extend = build_extend_plan(
                 rows,
                 [fb.prefix_lens_cpu[b] for b in ext_rows],
@@ -93,30 +89,45 @@ class TritonAttentionBackend(AttentionBackend):
                 [starts[b] for b in ext_rows],
                 fb.kv_pool.head_dim,
                 fb.kv_pool.dtype,
+                upload=fb.upload,
             )
         fb.attn_metadata = TritonAttentionMetadata(decode=decode, extend=extend)
 
-    def _prepare_decode(
-        self, fb: ForwardBatch, rows: list[int], starts: list[int], device: torch.device
-    ) -> DecodePlan:
+    def _plan_decode(self, fb: ForwardBatch, rows: list[int], starts: list[int]) -> DecodePlan:
+        upload = fb.upload
         if len(rows) == fb.batch_size:  # pure decode: token b is request b
             table_rows, seq_lens = fb.req_pool_indices, fb.seq_lens
-            token_idx = torch.arange(len(rows), device=device)
+            token_idx = upload.add(np.arange(len(rows)))
         else:
-            # One copy: [rows | their token index].
-            idx = torch.tensor(rows + [starts[b] for b in rows], device=device)
-            rows_t, token_idx = idx[: len(rows)], idx[len(rows) :]
-            table_rows = fb.req_pool_indices.index_select(0, rows_t)
-            seq_lens = fb.seq_lens.index_select(0, rows_t)
+            table_rows = upload.add(fb.rows_cpu[rows])
+            seq_lens = upload.add([fb.prefix_lens_cpu[b] + 1 for b in rows])
+            token_idx = upload.add([starts[b] for b in rows])
         num_splits = self.num_splits
         if num_splits is None:
             pool = fb.kv_pool
             max_len = max(fb.prefix_lens_cpu[b] + 1 for b in rows)
             block_n = decode_config(pool.head_dim, pool.dtype).block_n
             num_splits = decode_num_splits(
-                len(rows), pool.num_kv_heads, max_len, num_sms(device), block_n
+                len(rows), pool.num_kv_heads, max_len, num_sms(fb.device), block_n
             )
         return DecodePlan(table_rows, seq_lens, token_idx, num_splits)
+
+    def graph_compatible(self, fb: ForwardBatch) -> bool:
+        return True
+
+    def graph_plan(self, table_rows: torch.Tensor, seq_lens: torch.Tensor, token_idx: torch.Tensor,
+                   layer: AttentionLayerInfo, kv_pool: KVPool, max_context_len: int
+                   ) -> TritonAttentionMetadata:
+        """Decode over static buffers: the split count fixed for the longest context (splits
+        past a row's keys are skipped), the workspace allocated now, outside any capture."""
+        bs, device = table_rows.shape[0], table_rows.device
+        num_splits = self.num_splits or decode_num_splits(
+            bs, layer.num_kv_heads, max_context_len, num_sms(device),
+            decode_config(layer.head_dim, kv_pool.dtype).block_n,
+        )
+        workspace = alloc_decode_workspace(bs, layer.num_heads, num_splits, layer.head_dim, device)
+        return TritonAttentionMetadata(
+            decode=DecodePlan(table_rows, seq_lens, token_idx, num_splits, workspace), extend=None)
 
     # ---------------------------------------------------------------- per layer
 

@@ -92,13 +92,16 @@ class RankRunner:
     def forward(self, batch: StepBatch) -> None:
         from radixserve.batch import ForwardBatch
 
+        host = batch.table()
+        table = torch.from_numpy(host).to(self.device)  # compact: one row per request, each step
         fb = ForwardBatch.build(
             input_ids=batch.input_ids,
             prefix_lens=batch.prefix_lens.tolist(),
             extend_lens=batch.extend_lens.tolist(),
             req_pool_indices=list(range(len(batch.prefix_lens))),
-            out_cache_loc=torch.from_numpy(batch.out_cache_loc),
-            req_to_token=torch.from_numpy(batch.table()).to(self.device),
+            out_cache_loc=batch.out_cache_loc,
+            req_to_token=table,
+            table_host=host,
             kv_pool=self.kv_pool,
             attn_backend=self.backend,
             device=self.device,
@@ -129,7 +132,7 @@ def run_tp_worker_process(args: ServerArgs, model_path: str, rank: int, folder: 
         device = rank_device(args.device, rank)
         tp = init_group(rank, args.tp_size, folder, device)
         dtype = getattr(torch, args.dtype)
-        loaded = load_model(model_path, dtype=dtype, device=device, tp=tp)
+        loaded = load_model(model_path, dtype=dtype, device=device, tp=tp, load_format=args.load_format)
         setup = share_setup(None)
         config = loaded.config
         kv_pool = KVPool(setup["num_slots"], config.num_layers, loaded.model.num_local_kv_heads,

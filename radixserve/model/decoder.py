@@ -182,7 +182,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Float32 logits ``[B + E, vocab]``: each request's last new token, then the E extra
-        rows ``fb.extra_logits_indices`` (none unless a request asked for prompt logprobs).
+        rows of ``fb.logits_indices`` (none unless a request asked for prompt logprobs).
         None on tensor-parallel ranks other than 0."""
         residual = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.cos_sin(fb.positions, residual.dtype)

@@ -69,10 +69,11 @@ def iter_safetensors(folder: str, dtype: torch.dtype) -> Iterator[tuple[str, tor
 
 def load_model(
     model_path: str | None, dtype: torch.dtype, device: torch.device | str = "cpu",
-    tp: TensorParallel = SINGLE,
+    tp: TensorParallel = SINGLE, load_format: str = "auto",
 ) -> LoadedModel:
     """Build the model for ``model_path`` (None = default model) with weights in ``dtype``;
-    with ``tp``, only this rank's shard of them."""
+    with ``tp``, only this rank's shard of them.  ``load_format="dummy"`` needs only the
+    folder's config.json: the weights are random (seeded), for benchmarks of a model's shape."""
     from transformers import AutoConfig
 
     folder = resolve_model_path(model_path)
@@ -82,6 +83,25 @@ def load_model(
     with torch.device("meta"):  # no random init: every parameter is overwritten below
         model = cls(config, hf_config, tp)
     model = model.to(dtype).to_empty(device=device)
-    model.load_weights(iter_safetensors(folder, dtype))
+    if load_format == "dummy":
+        random_weights(model)
+    else:
+        model.load_weights(iter_safetensors(folder, dtype))
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer_path=folder, hf_config=hf_config)
+
+
+@torch.no_grad()
+def random_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter in place: norms' weights 1, the rest N(0, 0.02), as an untrained
+    Llama is initialised.  Drawn on the parameters' device (an 8B model takes seconds on a
+    GPU); the same seed, shapes and device give the same weights."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+            continue
+        gen = gens.get(p.device)
+        if gen is None:
+            gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.normal_(0.0, 0.02, generator=gen)

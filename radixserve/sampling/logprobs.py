@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.transfer import read_back
+
 # Rows are turned into log-softmax in slices of this many, so a long prompt chunk does not
 # hold a second [rows, vocab] float32 tensor beside its logits.
 LOGPROB_SLICE_ROWS = 1024
@@ -32,7 +34,7 @@ def token_logprobs(
             top_vals, top_ids = logp.topk(k, dim=-1)
             parts += [top_vals.double(), top_ids.double()]
         packed.append(torch.cat(parts, dim=1))
-    host = torch.cat(packed).tolist()
+    host = read_back(torch.cat(packed)).tolist()
     values = [row[0] for row in host]
     tops = [
         [[int(t), v] for v, t in zip(row[1 : 1 + n], row[1 + k : 1 + k + n], strict=True)]

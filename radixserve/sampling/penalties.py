@@ -7,23 +7,27 @@ whether another request in its batch uses a penalty.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def padded_token_ids(ids: list[list[int]], vocab_size: int) -> np.ndarray:
+    """``[B, L]`` int64 of the rows of ``ids``, padded with ``vocab_size`` (one past the last
+    token), on the host.  Ids outside ``[0, vocab_size)`` cannot receive a logit penalty and are
+    turned into padding too (a device-side out-of-range scatter would kill the process)."""
+    width = max((len(row) for row in ids), default=0)
+    out = np.full((len(ids), width), vocab_size, dtype=np.int64)
+    for i, row in enumerate(ids):
+        out[i, : len(row)] = row
+    out[(out < 0) | (out > vocab_size)] = vocab_size
+    return out
 
 
 def pad_token_ids(
     ids: list[list[int]], vocab_size: int, device: torch.device | str
 ) -> torch.Tensor:
-    """``[B, L]`` int64 of the rows of ``ids``, padded with ``vocab_size`` (one past the last
-    token).  Ids outside ``[0, vocab_size)`` cannot receive a logit penalty and are turned into
-    padding too (a device-side out-of-range scatter would kill the process)."""
-    width = max((len(row) for row in ids), default=0)
-    pad = vocab_size
-    flat = [
-        t if 0 <= t < vocab_size else pad
-        for row in ids
-        for t in (*row, *([pad] * (width - len(row))))
-    ]
-    return torch.tensor(flat, dtype=torch.int64).view(len(ids), width).to(device)
+    """:func:`padded_token_ids` as a tensor on ``device``."""
+    return torch.from_numpy(padded_token_ids(ids, vocab_size)).to(device)
 
 
 def count_tokens(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixserve.sampling.params import SamplingParams
@@ -32,8 +33,9 @@ from radixserve.sampling.penalties import (
     apply_frequency_presence_penalties,
     apply_repetition_penalty,
     count_tokens,
-    pad_token_ids,
+    padded_token_ids,
 )
+from radixserve.transfer import Upload, read_back, resolve
 
 # splitmix64 constants, as signed int64 (torch has no uint64 arithmetic; int64 multiply
 # and add wrap modulo 2**64, which is all the hash needs).
@@ -125,33 +127,53 @@ class SamplingBatch:
                 "params, seeds, output_ids and prompt_ids must have one entry per request"
             )
 
-        floats = torch.tensor(
+        # Everything the batch indexes with goes to the device in one copy.
+        upload = Upload(device)
+        floats = upload.add(np.array(
             [
-                [
-                    p.temperature,
-                    p.top_p,
-                    p.min_p,
-                    p.repetition_penalty,
-                    p.frequency_penalty,
-                    p.presence_penalty,
-                ]
+                [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+                 p.presence_penalty]
                 for p in params
             ],
-            dtype=torch.float32,
-        ).reshape(n, 6)
-        ints = torch.tensor(
+            dtype=np.float32,
+        ).reshape(n, 6).T, np.float32)
+        ints = upload.add(np.array(
             [
                 [to_int64(s), len(out), p.top_k if 0 < p.top_k < vocab_size else vocab_size]
                 for p, s, out in zip(params, seeds, output_ids, strict=True)
             ],
-            dtype=torch.int64,
-        ).reshape(n, 3)
-        temps, top_ps, min_ps, reps, freqs, pres = floats.t().contiguous().to(device).unbind(0)
-        seed_t, steps, top_ks = ints.t().contiguous().to(device).unbind(0)
+            dtype=np.int64,
+        ).reshape(n, 3).T)
 
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         sampled_params = [params[i] for i in sampled]
-        batch = cls(
+        sampled_rows = None if len(sampled) == n else upload.add(sampled)
+        logit_bias = None
+        if any(p.logit_bias for p in params):
+            rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+            cols = [t for p in params for t in p.logit_bias]
+            vals = [b for p in params for b in p.logit_bias.values()]
+            logit_bias = (upload.add(rows), upload.add(cols), upload.add(vals, np.float32))
+        # Rows without a given penalty contribute no ids: their counts stay 0 (neutral anyway).
+        seen_ids = out_ids = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen_ids = upload.add(padded_token_ids([
+                ((prompt_ids[i] if prompt_ids is not None else []) + output_ids[i])
+                if p.repetition_penalty != 1.0
+                else []
+                for i, p in enumerate(params)
+            ], vocab_size))
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            out_ids = upload.add(padded_token_ids([
+                output_ids[i] if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) else []
+                for i, p in enumerate(params)
+            ], vocab_size))
+        upload.send()
+        floats, ints, sampled_rows, logit_bias, seen_ids, out_ids = resolve(
+            (floats, ints, sampled_rows, logit_bias, seen_ids, out_ids))
+        temps, top_ps, min_ps, reps, freqs, pres = floats.unbind(0)
+        seed_t, steps, top_ks = ints.unbind(0)
+        return cls(
             temperatures=temps,
             top_ps=top_ps,
             top_ks=top_ks,
@@ -162,44 +184,15 @@ class SamplingBatch:
             seeds=seed_t,
             steps=steps,
             vocab_size=vocab_size,
-            sampled_rows=(
-                None if len(sampled) == n else torch.tensor(sampled, dtype=torch.int64).to(device)
-            ),
+            sampled_rows=sampled_rows,
             num_sampled=len(sampled),
             need_top_k=any(0 < p.top_k < vocab_size for p in sampled_params),
             need_top_p=any(p.top_p < 1.0 for p in sampled_params),
             need_min_p=any(p.min_p > 0.0 for p in sampled_params),
+            logit_bias=logit_bias,
+            seen_mask=None if seen_ids is None else count_tokens(seen_ids, vocab_size) > 0,
+            output_counts=None if out_ids is None else count_tokens(out_ids, vocab_size),
         )
-
-        if any(p.logit_bias for p in params):
-            rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
-            cols = [t for p in params for t in p.logit_bias]
-            vals = [b for p in params for b in p.logit_bias.values()]
-            batch.logit_bias = (
-                torch.tensor(rows, dtype=torch.int64, device=device),
-                torch.tensor(cols, dtype=torch.int64, device=device),
-                torch.tensor(vals, dtype=torch.float32, device=device),
-            )
-        # Rows without a given penalty contribute no ids: their counts stay 0 (neutral anyway).
-        if any(p.repetition_penalty != 1.0 for p in params):
-            seen_ids = [
-                ((prompt_ids[i] if prompt_ids is not None else []) + output_ids[i])
-                if p.repetition_penalty != 1.0
-                else []
-                for i, p in enumerate(params)
-            ]
-            batch.seen_mask = (
-                count_tokens(pad_token_ids(seen_ids, vocab_size, device), vocab_size) > 0
-            )
-        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-            out_ids = [
-                output_ids[i] if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) else []
-                for i, p in enumerate(params)
-            ]
-            batch.output_counts = count_tokens(
-                pad_token_ids(out_ids, vocab_size, device), vocab_size
-            )
-        return batch
 
 
 @dataclass
@@ -298,16 +291,28 @@ def sample(
 
     want_logprob = bool(return_logprob) and any(return_logprob)
     top_k_max = max(top_logprobs_num, default=0) if top_logprobs_num else 0
-    logprobs = top_logprobs = None
+    # One read-back for everything the host needs (ids travel as float64, exact below 2**53).
+    parts = [next_ids.double()[:, None]]
+    k = 0
     if want_logprob or top_k_max > 0:
         logp_all = torch.log_softmax(logits, dim=-1)
         if want_logprob:
-            logprobs = logp_all.gather(1, next_ids[:, None]).squeeze(1).tolist()
+            parts.append(logp_all.gather(1, next_ids[:, None]).double())
         if top_k_max > 0:
-            values, ids = logp_all.topk(min(top_k_max, logits.shape[-1]), dim=-1)
-            values_l, ids_l = values.tolist(), ids.tolist()
-            top_logprobs = [
-                list(zip(ids_l[i][: max(k, 0)], values_l[i][: max(k, 0)], strict=True))
-                for i, k in enumerate(top_logprobs_num)
-            ]
-    return SampleOutput(next_ids.tolist(), logprobs, top_logprobs)
+            k = min(top_k_max, logits.shape[-1])
+            values, ids = logp_all.topk(k, dim=-1)
+            parts += [values.double(), ids.double()]
+    host = read_back(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).numpy()
+    next_token_ids = host[:, 0].astype(np.int64).tolist()
+    logprobs = top_logprobs = None
+    col = 1
+    if want_logprob:
+        logprobs = host[:, 1].tolist()
+        col = 2
+    if top_k_max > 0:
+        values_l, ids_l = host[:, col : col + k].tolist(), host[:, col + k : col + 2 * k].astype(np.int64).tolist()
+        top_logprobs = [
+            list(zip(ids_l[i][: max(n, 0)], values_l[i][: max(n, 0)], strict=True))
+            for i, n in enumerate(top_logprobs_num)
+        ]
+    return SampleOutput(next_token_ids, logprobs, top_logprobs)

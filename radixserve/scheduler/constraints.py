@@ -21,9 +21,11 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixserve.scheduler.request import FinishReason, Req
+from radixserve.transfer import Upload, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -100,19 +102,6 @@ class Constraints:
     def mask_logits(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """Mask ``logits`` [B, V] (the sampling rows of ``reqs``) in place."""
         grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if grammar_rows:
-            import xgrammar as xgr
-
-            t0 = time.perf_counter()
-            bitmask = self._bitmask_for(len(reqs))
-            for i in grammar_rows:
-                reqs[i].grammar.fill(bitmask, i)
-            xgr.apply_token_bitmask_inplace(
-                logits, bitmask[: len(reqs)].to(logits.device, non_blocking=True),
-                vocab_size=self.vocab_size, indices=grammar_rows,
-            )
-            self.mask_seconds += time.perf_counter() - t0
-            self.mask_steps += 1
         banned_rows: list[int] = []
         banned_cols: list[int] = []
         for i, r in enumerate(reqs):
@@ -122,10 +111,29 @@ class Constraints:
                     stops.update(self.eos_token_ids)
                 banned_rows += [i] * len(stops)
                 banned_cols += sorted(stops)
+        if not grammar_rows and not banned_rows:
+            return
+        upload = Upload(logits.device)  # the masks' one copy to the device
+        bitmask = banned = None
+        if grammar_rows:
+            import xgrammar as xgr
+
+            t0 = time.perf_counter()
+            host = self._bitmask_for(len(reqs))[: len(reqs)]
+            host.fill_(-1)  # rows without a grammar: every token allowed
+            for i in grammar_rows:
+                reqs[i].grammar.fill(host, i)
+            bitmask = upload.add(host.numpy(), np.int32)
         if banned_rows:
-            rows = torch.tensor(banned_rows, dtype=torch.int64, device=logits.device)
-            cols = torch.tensor(banned_cols, dtype=torch.int64, device=logits.device)
-            logits.index_put_((rows, cols), torch.tensor(float("-inf"), device=logits.device))
+            banned = (upload.add(banned_rows), upload.add(banned_cols))
+        upload.send()
+        bitmask, banned = resolve((bitmask, banned))
+        if bitmask is not None:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+            self.mask_seconds += time.perf_counter() - t0
+            self.mask_steps += 1
+        if banned is not None:
+            logits.index_put_(banned, logits.new_full((len(banned_rows),), float("-inf")))
 
     def _bitmask_for(self, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:

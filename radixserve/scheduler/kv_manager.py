@@ -106,7 +106,7 @@ class KVManager:
         req.row = row
         # Row [0, n): tree slots of the cached prefix.
         if n:
-            self.req_pool.table[row, :n] = torch.from_numpy(slots)
+            self.req_pool.write(row, 0, slots)
         req.kv_len = req.tree_len = req.alloc_len = n
         req.last_node = node
         self.tree.inc_lock_ref(node)
@@ -173,16 +173,8 @@ class KVManager:
             # Row [alloc_len, alloc_len + pages * page_size): the request's new pages.
             rows[i], starts[i], counts[i] = req.row, self.pages_for(req.alloc_len) * ps, pages * ps
             req.alloc_len = int(starts[i] + counts[i])
-        offsets = np.arange(len(slots), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        cols = np.repeat(starts, counts) + offsets
-        table = self.req_pool.table
-        table[torch.from_numpy(np.repeat(rows, counts)), torch.from_numpy(cols)] = (
-            torch.from_numpy(slots).to(table.dtype))
+        self.req_pool.write_runs(rows, starts, counts, slots)
         return True
-
-    def out_slots(self, req: Req, n: int) -> torch.Tensor:
-        """Slots for the next ``n`` tokens: row ``[kv_len, kv_len + n)``."""
-        return self.req_pool.table[req.row, req.kv_len : req.kv_len + n]
 
     # ---- giving KV to the tree ---------------------------------------------------------
     def _insert(self, req: Req) -> int:
@@ -195,7 +187,7 @@ class KVManager:
         aligned = self.aligned(req.kv_len)
         if self.tree.disable or aligned <= req.tree_len:
             return req.tree_len
-        row_slots = self.req_pool.table[req.row, : req.kv_len].numpy().astype(np.int64)
+        row_slots = self.req_pool.read(req.row, 0, req.kv_len)
         if self.disk is not None:
             self._write_through(req, row_slots)
         present = self.tree.insert(req.tokens(0, req.kv_len), row_slots, req.extra_key)
@@ -212,7 +204,7 @@ class KVManager:
         if len(result.slots) != aligned:
             raise RuntimeError(f"tree lost a just-inserted prefix of {req!r}")
         # Row [0, aligned): the tree's slots (ours in [tree_len, present) were just freed).
-        self.req_pool.table[req.row, :aligned] = torch.from_numpy(result.slots)
+        self.req_pool.write(req.row, 0, result.slots)
         self.tree.inc_lock_ref(result.node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = result.node
@@ -231,7 +223,7 @@ class KVManager:
         tokens = req.tokens(0, keep_until) if swap and self.swap and keep_until > 0 else None
         # Row [keep_until, alloc_len): pages still ours after the insert; free them.
         if req.alloc_len > keep_until:
-            tail = self.req_pool.table[req.row, keep_until : req.alloc_len].numpy().astype(np.int64)
+            tail = self.req_pool.read(req.row, keep_until, req.alloc_len)
             self.allocator.free_slots(tail)
         self.tree.dec_lock_ref(req.last_node)
         self.req_pool.free(req.row)

@@ -13,8 +13,10 @@ from radixserve.distributed.step_message import StepBatch, pack_rows
 from radixserve.distributed.worker import WorkerLink
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
 from radixserve.scheduler import prompt_logprobs
+from radixserve.scheduler.cuda_graph import DecodeGraphs
 from radixserve.scheduler.profiling import FORWARD_SCOPE, SAMPLING_SCOPE
 from radixserve.scheduler.request import Req
+from radixserve.transfer import resolve
 
 
 class ModelRunner:
@@ -33,9 +35,16 @@ class ModelRunner:
         self.req_pool = req_pool
         self.backend = create_backend(attention_backend)
         self.device = device
-        # Tensor parallelism: rank 0's link to the other ranks (None: a single rank).  The
-        # request table is read on the host here, which holds on a CPU; see distributed/.
+        # Tensor parallelism: rank 0's link to the other ranks (None: a single rank).
         self.link: WorkerLink | None = None
+        self.graphs: DecodeGraphs | None = None  # captured decode forwards (use_decode_graphs)
+
+    def use_decode_graphs(self, max_bs: int, max_context_len: int) -> None:
+        """Capture decode forwards for batches of up to ``max_bs`` requests (CUDA graphs on
+        CUDA; elsewhere the same static path replayed eagerly, for tests)."""
+        self.graphs = DecodeGraphs(self.model, self.backend, self.kv_pool, self.req_pool.table,
+                                   max_bs, max_context_len, self.device)
+        self.graphs.capture()
 
     @property
     def attention_path(self) -> str:
@@ -54,22 +63,23 @@ class ModelRunner:
         rows = [r.row for r, _ in entries]
         prefix_lens = [r.kv_len for r, _ in entries]
         extend_lens = [n for _, n in entries]
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
         input_ids = np.concatenate([r.tokens(r.kv_len, r.kv_len + n) for r, n in entries])
-        # Output slots: row[kv_len + i] for i < n, gathered in one indexing op.
+        # Output slots: row[kv_len + i] for i < n, gathered from the host table in one op.
         row_idx = np.repeat(np.asarray(rows, dtype=np.int64), extend_lens)
         starts = np.cumsum(extend_lens) - np.asarray(extend_lens)
         col_idx = np.arange(len(row_idx), dtype=np.int64) + np.repeat(
             np.asarray(prefix_lens, dtype=np.int64) - starts, extend_lens
         )
-        out_cache_loc = self.req_pool.table[torch.from_numpy(row_idx), torch.from_numpy(col_idx)]
+        table = self.req_pool.host
+        out_cache_loc = table[row_idx, col_idx].astype(np.int64)
         if self.link is not None:  # the other tensor-parallel ranks run the same forward
             self.link.send(StepBatch(
                 input_ids=input_ids,
                 prefix_lens=np.asarray(prefix_lens, dtype=np.int64),
                 extend_lens=np.asarray(extend_lens, dtype=np.int64),
-                out_cache_loc=out_cache_loc.numpy(),
-                slots=pack_rows(self.req_pool.table.numpy(), rows,
-                                [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]),
+                out_cache_loc=out_cache_loc,
+                slots=pack_rows(table, rows, seq_lens),
                 extra_logits=np.zeros(0, dtype=np.int64) if extra_logits is None else extra_logits,
             ))
         return ForwardBatch.build(
@@ -83,11 +93,14 @@ class ModelRunner:
             attn_backend=self.backend,
             device=self.device,
             extra_logits_indices=extra_logits,
+            table_host=table,
+            table_updates=self.req_pool.sync_updates(rows, seq_lens),
         )
 
     @torch.inference_mode()
-    def forward(self, entries: list[tuple[Req, int]]) -> torch.Tensor:
-        """Float32 logits ``[len(entries), vocab]`` at each request's last new token.
+    def forward(self, entries: list[tuple[Req, int]], sample_rows: list[int] | None = None) -> torch.Tensor:
+        """Float32 logits ``[len(sample_rows), vocab]`` at the last new token of the entries
+        ``sample_rows`` (all of them when None).
 
         Requests that owe prompt logprobs get them from the same forward: the LM head also
         reads their prompt rows, and ``prompt_logprobs.record`` stores the result on them.
@@ -95,13 +108,22 @@ class ModelRunner:
         with torch.profiler.record_function(FORWARD_SCOPE):
             plan = prompt_logprobs.plan_rows(entries)
             fb = self.build_batch(entries, None if plan is None else plan.rows)
-            self.backend.prepare(fb)
-            logits = self.model.forward(fb)
-            if plan is None:
-                return logits
-            # Rows [0, B): last new tokens (sampling); [B, B + E): the plan's rows, in plan order.
             num_entries = len(entries)
-            prompt_logprobs.record(plan, logits[num_entries:])
+            targets = None if plan is None else fb.upload.add(plan.targets)
+            select = None
+            if sample_rows is not None and len(sample_rows) != num_entries:
+                select = fb.upload.add(sample_rows)  # travels in the batch's upload
+            if self.graphs is not None and self.graphs.can_run(fb):
+                fb.send()  # the graph's plan is static: only the batch's arrays are needed
+                logits = self.graphs.replay(fb)
+            else:
+                self.backend.prepare(fb)
+                logits = self.model.forward(fb)
+            if plan is not None:
+                # Rows [0, B): last new tokens (sampling); [B, B + E): the plan's rows, in plan order.
+                prompt_logprobs.record(plan, logits[num_entries:], resolve(targets))
+            if select is not None:
+                return logits.index_select(0, resolve(select))
             return logits[:num_entries]
 
     @torch.inference_mode()

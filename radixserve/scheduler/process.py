@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -96,12 +97,31 @@ def _fail_in_flight(sched: Any, send: zmq.Socket, reason: str, also: Sequence[st
         send.send(m.encode(m.ErrorOut(rid=rid, message=reason, status=500)))
 
 
+@contextlib.contextmanager
+def sync_debug(device: Any) -> Iterator[None]:
+    """``RADIXSERVE_SYNC_DEBUG=warn|error`` on CUDA: torch flags every host-device sync
+    inside the step (the one read-back of sampled tokens waits on an event, which it allows).
+    A sync in ``error`` mode fails the step, so its requests get the error."""
+    mode = os.environ.get("RADIXSERVE_SYNC_DEBUG", "")
+    if device.type != "cuda" or mode not in ("warn", "error"):
+        yield
+        return
+    import torch
+
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _run_step(sched: Any, send: zmq.Socket) -> None:
     """One scheduler step and the sending of its output; an error fails what is in flight.
     A failed tensor-parallel collective is raised on: the group cannot step again."""
     unsent: list[str] = []  # rids of a step output that could not be sent
     try:
-        out = sched.step()
+        with sync_debug(sched.device):
+            out = sched.step()
         if out is not None:
             unsent = list(out.rids)
             send.send(m.encode(out))
@@ -158,7 +178,8 @@ def run_scheduler_process(
         tp = SINGLE
         if args.tp_size > 1:
             tp = init_group(0, args.tp_size, folder, rank_device(args.device, 0))
-        loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp)
+        loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp,
+                            load_format=args.load_format)
         tokenizer = load_tokenizer(loaded.tokenizer_path)
         sched = Scheduler(args, loaded.model, loaded.config, tokenizer)
         if tp.size > 1:

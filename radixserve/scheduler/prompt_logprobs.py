@@ -121,10 +121,10 @@ def plan_rows(entries: list[tuple[Req, int]]) -> PromptLogprobPlan | None:
     return PromptLogprobPlan(np.concatenate(rows), np.concatenate(targets), owners)
 
 
-def record(plan: PromptLogprobPlan, logits: torch.Tensor) -> None:
-    """Turn the extra rows' logits ``[plan.num_rows, vocab]`` into the owners' prompt logprobs."""
+def record(plan: PromptLogprobPlan, logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """Turn the extra rows' logits ``[plan.num_rows, vocab]`` into the owners' prompt logprobs;
+    ``targets``: ``plan.targets`` on the logits' device (uploaded with the batch)."""
     top_ns = [req.prompt_logprobs.top_n for req, count in plan.owners for _ in range(count)]
-    targets = torch.from_numpy(plan.targets).to(logits.device)
     values, tops = token_logprobs(logits, targets, top_ns)
     pos = 0
     for req, count in plan.owners:

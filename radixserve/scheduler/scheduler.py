@@ -100,6 +100,12 @@ class Scheduler:
         self.runner = ModelRunner(
             model, self.vocab_size, kv_pool, self.req_pool, args.attention_backend, self.device
         )
+        if args.cuda_graph_max_bs and self.device.type == "cuda" and args.tp_size == 1:
+            if args.attention_backend == "triton":
+                self.runner.use_decode_graphs(min(args.cuda_graph_max_bs, self.max_running), self.context_len)
+            else:
+                logger.info("CUDA graphs replay the triton backend's decode; the %s backend runs eagerly",
+                            args.attention_backend)
         self.stop_checker = StopChecker(set(model_config.eos_token_ids), self.context_len, tokenizer)
         self.constraints = Constraints(
             args.grammar_backend, tokenizer, self.vocab_size, list(model_config.eos_token_ids),
@@ -368,23 +374,23 @@ class Scheduler:
 
     def _run_forward(self, entries: list[tuple[Req, int]], has_prefill: bool, finished: list[Req]) -> None:
         t0 = time.perf_counter()
-        logits = self.runner.forward(entries)
+        # Rows that sample: decodes, and prefills whose whole prompt is computed by this forward,
+        # except prefill-only requests (max_new_tokens 0), which finish here with nothing
+        # sampled: their prompt goes to the tree when they are released, like any finished
+        # request's.
+        done = [i for i, (r, n) in enumerate(entries) if r.kv_len + n == r.fill_len]
+        sample_idx = [i for i in done if entries[i][0].params.max_new_tokens > 0]
+        sample_logits = self.runner.forward(entries, sample_idx)
         for req, n in entries:
             req.kv_len += n
-        # Rows that sample: decodes, and prefills whose whole prompt is now computed, except
-        # prefill-only requests (max_new_tokens 0), which finish here with nothing sampled:
-        # their prompt goes to the tree when they are released, like any finished request's.
-        done = [i for i, (r, _) in enumerate(entries) if r.kv_len == r.fill_len]
-        sample_idx = [i for i in done if entries[i][0].params.max_new_tokens > 0]
         for i in done:
             if entries[i][0].params.max_new_tokens == 0:
                 entries[i][0].finish_reason = FinishReason("length", length=0)
         sample_reqs = [entries[i][0] for i in sample_idx]
         out = None
         if sample_reqs:
-            # Masked in place: a copy of the sampling rows, or the logits themselves when every
-            # row samples (a decode step; nothing reads them after sampling).
-            sample_logits = logits if len(sample_idx) == len(entries) else logits[sample_idx]
+            # Masked in place: the forward's rows of the sampling requests (nothing else reads
+            # them after sampling).
             with torch.inference_mode():  # the logits are an inference tensor: masked in place
                 self.constraints.mask_logits(sample_logits, sample_reqs)
             out = self.runner.sample(sample_logits, sample_reqs)
