@@ -12,6 +12,8 @@ For every point of a grid of batch sizes and context lengths (32 query / 8 KV he
            FLOP rate = useful FLOPs (4 x H x D x sum of visible query-key pairs) / time, next
            to the measured dense bf16 matmul rate (8192^3 torch.matmul).
   store_kv writing T new tokens' K/V into their slots (bytes moved / time).
+  cascade  decode of B requests sharing a cached prefix: the plain kernel (reads the prefix B
+           times) against the cascade (once per group tile), backend forward each.
 
 beside the torch backend's ``forward`` on the same inputs (and the Triton backend's full
 ``forward``, KV store included), plus each output's relative error against the torch
@@ -50,6 +52,9 @@ EXTEND_GRID = [(1, 4096, 0), (1, 4096, 4096), (1, 8192, 0), (4, 1024, 1024), (8,
 QUICK_DECODE = [(1, 4096), (64, 4096)]
 QUICK_EXTEND = [(1, 4096, 0), (4, 1024, 1024)]
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
+# batch, shared prefix, own keys per request: an agent's system prompt under many requests
+CASCADE_GRID = [(16, 4096, 256), (64, 4096, 256), (64, 16384, 512), (256, 2048, 128)]
+CASCADE_SMOKE = [(3, 64, 8)]
 # Tile sweeps at the target points (block_n, num_warps, num_stages) / (block_m, block_n, ...):
 # the first entry of each is the shipped default for bf16, head dim 128.
 DECODE_TILES = [(64, 4, 2), (32, 4, 3), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 3), (32, 2, 4)]
@@ -208,6 +213,44 @@ def bench_decode(timer: Callable, grid: list[tuple[int, int]], shape: tuple, cei
               flush=True)
         del data, triton_be, fb, out, plan
     return rows
+
+
+def bench_cascade(timer: Callable, batch: int, shared: int, own: int, shape: tuple,
+                  device: torch.device) -> dict:
+    """Decode of ``batch`` requests whose first ``shared`` keys are the same slots (a prefix
+    shared through the tree) plus ``own`` keys each: the plain kernel against the cascade
+    (kernels/shared_prefix_decode.py), which reads the shared keys once per group tile."""
+    from radixserve.kernels.decode_attention import decode_attention
+
+    from radixserve.attention.triton_backend import TritonAttentionBackend
+
+    heads, kv, dim, page, dtype = shape
+    data = Batch([shared + own - 1] * batch, [1] * batch, heads, kv, dim, page, dtype, device)
+    data.table[1:, :shared] = data.table[0, :shared]  # every row starts with row 0's slots
+    cascade_be = TritonAttentionBackend()
+    cascade_be.layer = data.layer
+    fwd, fb = data.run(cascade_be)
+    out = fwd()
+    plan = fb.attn_metadata.decode
+    if plan.cascade is None:
+        raise RuntimeError("the cascade plan found no shared prefix")
+    plain_be = TritonAttentionBackend()  # no layer layout: plain decode
+    plain_fwd, plain_fb = data.run(plain_be)
+    k_buf, v_buf = data.pool.get_kv(0)
+    pplan = plain_fb.attn_metadata.decode
+
+    def plain_kernel() -> None:
+        decode_attention(data.q, k_buf, v_buf, out, plain_fb.req_to_token, pplan.table_rows, pplan.seq_lens,
+                         pplan.token_idx, data.layer.scaling, pplan.num_splits, pplan.workspace)
+
+    row = {"kernel": "cascade-decode", "batch": batch, "shared": shared, "own": own,
+           "plain_forward_ms": timer(plain_fwd), "cascade_forward_ms": timer(fwd),
+           "plain_kernel_ms": timer(plain_kernel), "rel_err": rel_err(fwd(), plain_fwd())}
+    row["speedup"] = row["plain_forward_ms"] / row["cascade_forward_ms"]
+    print(f"cascade B={batch:4d} shared={shared:6d} own={own:4d}  plain {row['plain_forward_ms']:8.3f} ms  "
+          f"cascade {row['cascade_forward_ms']:8.3f} ms  x{row['speedup']:.2f}  err {row['rel_err']:.1e}",
+          flush=True)
+    return row
 
 
 def bench_splits(timer: Callable, batch: int, ctx: int, shape: tuple, ceil: dict,
@@ -403,6 +446,10 @@ def main() -> int:
     if hit and not smoke:
         targets["decode_b64_ctx4096_pct_of_copy"] = hit[0]["pct_of_copy"]
         targets["decode_target_met"] = hit[0]["pct_of_copy"] >= 100 * dec_frac
+
+    print("decode over a shared prefix, plain kernel against the cascade (backend forward):", flush=True)
+    for b, sh, own in CASCADE_SMOKE if smoke else CASCADE_GRID:
+        results.append(bench_cascade(timer, b, sh, own, shape, device))
 
     results += bench_extend(timer, extend_grid, shape, ceil, device)
     print(f"extend tile sweep at {ext_new} new tokens (kernel only):", flush=True)

@@ -5,6 +5,9 @@
   KV length is split across programs, then the partial results are merged).
 - ``extend_attention``: new tokens over their cached prefix (read through the
   request-to-token table) plus causal attention among themselves.
+- ``shared_prefix_decode``: cascade decode: a KV prefix that several requests share (same
+  slots, one radix-tree path) is read once per group tile for all members' queries, then merged
+  with each request's own keys by log-sum-exp (host plan: ``build_cascade_plan``).
 
 Importing any of them imports Triton.  Without a CUDA device, Triton can only run the kernels
 in its interpreter, so this package opts into it (``TRITON_INTERPRET=1``) before anything

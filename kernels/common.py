@@ -70,3 +70,35 @@ def attend_block(acc, m_i, l_i, q, k_t, v, mask, qk_scale,
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, DOT_IN_FP32)
     return acc, m_new, l_i
+
+
+@triton.jit
+def attend_table_keys(acc, m_i, l_i, q, table, start, end, K_buf, V_buf, kv,
+                      stride_kbs, stride_kbh, stride_vbs, stride_vbh, row_mask, offs_d, d_mask,
+                      qk_scale, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                      DOT_IN_FP32: tl.constexpr):
+    """:func:`attend_block` over keys ``[start, end)`` of one table row (``table`` points at
+    it; column ``j`` holds key ``j``'s pool slot), KV head ``kv``: whole blocks of BLOCK_N keys
+    unmasked (``row_mask`` [M] only keeps padded query rows' loads in bounds), then the tail
+    masked by key."""
+    offs_n = tl.arange(0, BLOCK_N)
+    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        slot = tl.load(table + n0 + offs_n).to(tl.int64)
+        k_t = tl.load(K_buf + slot[None, :] * stride_kbs + kv * stride_kbh + offs_d[:, None],
+                      mask=d_mask[:, None], other=0.0)
+        v = tl.load(V_buf + slot[:, None] * stride_vbs + kv * stride_vbh + offs_d[None, :],
+                    mask=d_mask[None, :], other=0.0)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k_t, v, row_mask[:, None], qk_scale,
+                                     False, PRECISION, DOT_IN_FP32)
+    if full_end < end:
+        n = full_end + offs_n
+        n_mask = n < end
+        slot = tl.load(table + n, mask=n_mask, other=0).to(tl.int64)
+        k_t = tl.load(K_buf + slot[None, :] * stride_kbs + kv * stride_kbh + offs_d[:, None],
+                      mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        v = tl.load(V_buf + slot[:, None] * stride_vbs + kv * stride_vbh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k_t, v, n_mask[None, :], qk_scale,
+                                     True, PRECISION, DOT_IN_FP32)
+    return acc, m_i, l_i

@@ -32,6 +32,7 @@ from radixserve.kernels.decode_attention import (
 )
 from radixserve.kernels.extend_attention import _extend_kernel, extend_config
 from radixserve.kernels.kv_store import _store_kv_kernel
+from radixserve.kernels.shared_prefix_decode import _shared_prefix_kernel, cascade_config
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -106,14 +107,30 @@ def check(arch: int, level: str) -> list[Compiled]:
         common = dict(HEAD_DIM=dim, PRECISION=dot_precision(dtype), DOT_IN_FP32=False)
 
         dc = decode_config(dim, dtype)
+        # The plain split kernel (seq_lens stands in for the unread Kv_start), and the
+        # cascade's (own keys from Kv_start on).
+        for has_kv_start in (False, True):
+            out.append(compile_kernel(
+                _decode_split_kernel, f"decode_split{' cascade' if has_kv_start else ''} {tag}",
+                arch,
+                {"Q": ty, "K_buf": ty, "V_buf": ty, "Req_to_token": "*i32", "Table_rows": "*i64",
+                 "Seq_lens": "*i64", "Token_idx": "*i64",
+                 "Kv_start": "*i32" if has_kv_start else "*i64", "Mid_o": "*fp32",
+                 "Mid_lse": "*fp32"},
+                ("qk_scale",),
+                dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+                     BLOCK_D=block_d, BLOCK_N=dc.block_n, HAS_KV_START=has_kv_start, **common),
+                num_warps=dc.num_warps, num_stages=dc.num_stages,
+            ))
+        cc = cascade_config(group, dim, dtype)
         out.append(compile_kernel(
-            _decode_split_kernel, f"decode_split {tag}", arch,
-            {"Q": ty, "K_buf": ty, "V_buf": ty, "Req_to_token": "*i32", "Table_rows": "*i64",
-             "Seq_lens": "*i64", "Token_idx": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32"},
+            _shared_prefix_kernel, f"cascade_shared {tag}", arch,
+            {"Q": ty, "K_buf": ty, "V_buf": ty, "Req_to_token": "*i32", "Token_idx": "*i64",
+             "Tile_row": "*i32", "Tile_len": "*i32", "Tile_ptr": "*i32", "Tile_members": "*i32",
+             "Mid_o": "*fp32", "Mid_lse": "*fp32"},
             ("qk_scale",),
-            dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-                 BLOCK_N=dc.block_n, **common),
-            num_warps=dc.num_warps, num_stages=dc.num_stages,
+            dict(GROUP=group, BLOCK_M=cc.block_m, BLOCK_D=block_d, BLOCK_N=cc.block_n, **common),
+            num_warps=cc.num_warps, num_stages=cc.num_stages,
         ))
         ec = extend_config(dim, dtype)
         out.append(compile_kernel(
@@ -127,13 +144,17 @@ def check(arch: int, level: str) -> list[Compiled]:
             num_warps=ec.num_warps, num_stages=ec.num_stages,
         ))
         if group == 1:
-            out.append(compile_kernel(
-                _decode_reduce_kernel, f"decode_reduce {tag}", arch,
-                {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": ty, "Seq_lens": "*i64",
-                 "Token_idx": "*i64"},
-                (), dict(HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_N=dc.block_n, BLOCK_S=8),
-                num_warps=2,
-            ))
+            # Plain: up to 8 splits; cascade: 2 x 64 splits (own + shared), its widest.
+            for has_shared, block_s, warps in ((False, 8, 2), (True, 128, 4)):
+                out.append(compile_kernel(
+                    _decode_reduce_kernel,
+                    f"decode_reduce{' cascade' if has_shared else ''} {tag}", arch,
+                    {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": ty, "Seq_lens": "*i64",
+                     "Token_idx": "*i64", "Kv_start": "*i32" if has_shared else "*i64"},
+                    (), dict(HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_N=dc.block_n, BLOCK_S=block_s,
+                             HAS_SHARED=has_shared),
+                    num_warps=warps,
+                ))
             out.append(compile_kernel(
                 _store_kv_kernel, f"store_kv {tag}", arch,
                 {"K": ty, "V": ty, "K_buf": ty, "V_buf": ty, "Loc": "*i64"}, (),

@@ -14,6 +14,11 @@ Flash-decoding in two launches:
 2. ``_decode_reduce_kernel``, grid ``(B, H)``: merges the non-empty splits of each head,
    ``out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m)``, into the output row of the token.
 
+Both kernels also serve the cascade path (``shared_prefix_decode``) through constexpr
+switches that compile away here: with ``HAS_KV_START`` the split kernel covers only a
+request's own keys ``[kv_start, seq_len)``, and with ``HAS_SHARED`` the reduce also merges the
+shared-prefix partials kept in workspace splits ``[S, 2S)``.
+
 The new token's own K/V must already be in the pool (``kv_store`` runs first): the table row's
 column ``seq_len - 1`` points at it.
 """
@@ -37,8 +42,16 @@ MAX_SPLITS = 64
 
 
 @triton.jit
+def split_len(num_keys, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split when ``num_keys`` keys are cut into ``num_splits`` splits: a multiple of
+    BLOCK_N (0 when there are no keys).  Split ``s`` covers ``[s * len, (s + 1) * len)`` of
+    them, so splits ``[0, cdiv(num_keys, len))`` are the non-empty ones."""
+    return tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(
-    Q, K_buf, V_buf, Req_to_token, Table_rows, Seq_lens, Token_idx, Mid_o, Mid_lse,
+    Q, K_buf, V_buf, Req_to_token, Table_rows, Seq_lens, Token_idx, Kv_start, Mid_o, Mid_lse,
     stride_qt, stride_qh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     stride_tab,
@@ -47,15 +60,21 @@ def _decode_split_kernel(
     qk_scale, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, HAS_KV_START: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # The splits cut the request's own keys [kv_begin, seq_len); kv_begin is 0 without
+    # HAS_KV_START (Kv_start is then not read).
+    if HAS_KV_START:
+        kv_begin = tl.load(Kv_start + b).to(tl.int32)
+    else:
+        kv_begin = 0
+    length = split_len(seq_len - kv_begin, num_splits, BLOCK_N)
+    start = kv_begin + split * length
+    end = tl.minimum(start + length, seq_len)
     if start < end:
         row = tl.load(Table_rows + b).to(tl.int64)
         token = tl.load(Token_idx + b).to(tl.int64)
@@ -100,23 +119,34 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    Mid_o, Mid_lse, Out, Seq_lens, Token_idx,
+    Mid_o, Mid_lse, Out, Seq_lens, Token_idx, Kv_start,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     stride_ot,
     num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_SHARED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    # Same split arithmetic as the first stage: splits [0, active) are the non-empty ones.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    active = tl.cdiv(seq_len, split_len)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < active
+    # Same split arithmetic as the first stage(s): only non-empty splits are read.
+    if HAS_SHARED:
+        # Splits [0, S): own keys [kv_start, seq_len) (never empty); splits [S, 2S): the
+        # shared keys [0, kv_start), none when kv_start is 0.  max() keeps the divisor > 0.
+        kv_start = tl.load(Kv_start + b).to(tl.int32)
+        own = seq_len - kv_start
+        own_active = tl.cdiv(own, split_len(own, num_splits, BLOCK_N))
+        shared_active = tl.cdiv(
+            kv_start, tl.maximum(split_len(kv_start, num_splits, BLOCK_N), BLOCK_N)
+        )
+        s_mask = (offs_s < own_active) | (
+            (offs_s >= num_splits) & (offs_s < num_splits + shared_active)
+        )
+    else:
+        s_mask = offs_s < tl.cdiv(seq_len, split_len(seq_len, num_splits, BLOCK_N))
     lse = tl.load(Mid_lse + b * stride_ml_b + h * stride_ml_h + offs_s, mask=s_mask,
                   other=float("-inf"))
     o = tl.load(
@@ -160,6 +190,21 @@ def alloc_decode_workspace(
     return mid_o, mid_lse
 
 
+def check_decode_layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
+                        num_splits: int) -> tuple[int, int, int]:
+    """``(query heads, head dim, KV heads)`` of a decode launch; ValueError for a layout the
+    decode kernels cannot run."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_buf.shape[1]
+    if num_heads % kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {kv_heads} KV heads")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if out.stride(-1) != 1 or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1:
+        raise ValueError("out and the KV pool must be contiguous along head_dim")
+    return num_heads, head_dim, kv_heads
+
+
 def decode_attention(
     q: torch.Tensor,  # [T, H, D]; row token_idx[b] is request b's query
     k_buf: torch.Tensor,  # [num_slots, KV, D]
@@ -176,19 +221,12 @@ def decode_attention(
 ) -> None:
     """Attention of one new token per request over its KV; writes ``out[token_idx]``."""
     batch = table_rows.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_buf.shape[1]
     if batch == 0:
         return
-    if num_heads % kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {kv_heads} KV heads")
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    num_heads, head_dim, kv_heads = check_decode_layout(q, k_buf, v_buf, out, num_splits)
     cfg = config or decode_config(head_dim, k_buf.dtype)
     group = num_heads // kv_heads
     q = last_dim_contiguous(q)
-    if out.stride(-1) != 1 or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1:
-        raise ValueError("out and the KV pool must be contiguous along head_dim")
     if workspace is None:
         workspace = alloc_decode_workspace(batch, num_heads, num_splits, head_dim, q.device)
     mid_o, mid_lse = workspace
@@ -199,7 +237,7 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
 
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, table_rows, seq_lens, token_idx, mid_o, mid_lse,
+        q, k_buf, v_buf, req_to_token, table_rows, seq_lens, token_idx, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
@@ -209,15 +247,16 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         PRECISION=dot_precision(k_buf.dtype), DOT_IN_FP32=dot_in_fp32(k_buf.dtype),
+        HAS_KV_START=False,  # seq_lens above stands in for the unread Kv_start
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _decode_reduce_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, seq_lens, token_idx,
+        mid_o, mid_lse, out, seq_lens, token_idx, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0),
         num_splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=triton.next_power_of_2(num_splits), HAS_SHARED=False,
         num_warps=1 if block_d <= 64 else 2,
     )

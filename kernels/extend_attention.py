@@ -31,6 +31,7 @@ import triton.language as tl
 from radixserve.kernels.common import (
     LOG2E,
     attend_block,
+    attend_table_keys,
     dot_in_fp32,
     dot_precision,
     last_dim_contiguous,
@@ -76,25 +77,11 @@ def _extend_kernel(
 
     # Phase 1: cached prefix, table columns [0, prefix_len).
     table = Req_to_token + row * stride_tab
-    full_end = (prefix_len // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        slot = tl.load(table + n0 + offs_n).to(tl.int64)
-        k_t = tl.load(K_buf + slot[None, :] * stride_kbs + kv * stride_kbh + offs_d[:, None],
-                      mask=d_mask[:, None], other=0.0)
-        v = tl.load(V_buf + slot[:, None] * stride_vbs + kv * stride_vbh + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k_t, v, m_mask[:, None], qk_scale,
-                                     False, PRECISION, DOT_IN_FP32)
-    if full_end < prefix_len:
-        n = full_end + offs_n
-        n_mask = n < prefix_len
-        slot = tl.load(table + n, mask=n_mask, other=0).to(tl.int64)
-        k_t = tl.load(K_buf + slot[None, :] * stride_kbs + kv * stride_kbh + offs_d[:, None],
-                      mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        v = tl.load(V_buf + slot[:, None] * stride_vbs + kv * stride_vbh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k_t, v, n_mask[None, :], qk_scale,
-                                     True, PRECISION, DOT_IN_FP32)
+    acc, m_i, l_i = attend_table_keys(
+        acc, m_i, l_i, q, table, 0, prefix_len, K_buf, V_buf, kv,
+        stride_kbs, stride_kbh, stride_vbs, stride_vbh, m_mask, offs_d, d_mask,
+        qk_scale, BLOCK_N, PRECISION, DOT_IN_FP32,
+    )
 
     # Phase 2: this step's new keys.  [0, m_start) lies wholly below the diagonal.
     k_new = K + token_start * stride_kt + kv * stride_kh

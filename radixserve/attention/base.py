@@ -26,6 +26,9 @@ class AttentionBackend(ABC):
     """Writes new K/V into the pool and attends over cached prefix + new tokens."""
 
     name: str = "base"
+    # The model's attention layout (heads, head size), set by whoever runs the model: plans that
+    # depend on the query heads (the Triton cascade's tiles) need it before the first layer.
+    layer: AttentionLayerInfo | None = None
 
     def prepare(self, fb: ForwardBatch) -> None:
         """Plan the forward on the host, then send the batch's one upload (the plan's device

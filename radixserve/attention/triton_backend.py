@@ -39,6 +39,18 @@ from radixserve.kernels.decode_attention import (  # noqa: E402
 )
 from radixserve.kernels.extend_attention import ExtendPlan, build_extend_plan, extend_attention  # noqa: E402
 from radixserve.kernels.kv_store import store_kv  # noqa: E402
+from radixserve.kernels.shared_prefix_decode import (  # noqa: E402
+    CascadeHostPlan,
+    alloc_cascade_workspace,
+    build_cascade_plan,
+    cascade_decode_attention,
+)
+
+# What decides graph replay against a cascade for a decode batch with shared prefixes (see
+# graph_compatible): an HBM rate of a current data-centre GPU, and the ~10 launches of a few
+# microseconds per layer that one graph replay saves.  Estimates; bench/gpu_check.sh measures.
+DEVICE_BYTES_PER_S = 3e12
+GRAPH_SAVES_S_PER_LAYER = 40e-6
 
 if TYPE_CHECKING:
     from radixserve.batch import ForwardBatch
@@ -51,8 +63,12 @@ class DecodePlan:
     seq_lens: Any  # [Bd] keys per row, the new token included
     token_idx: Any  # [Bd] the row's token in [0, T)
     num_splits: int
-    # [Bd, H, S, D] / [Bd, H, S] float32, allocated by the first layer and reused by the rest.
+    # [Bd, H, S, D] / [Bd, H, S] float32 ([.., 2S, ..] with a cascade), allocated by the first
+    # layer and reused by the rest.
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Shared prefixes read once per group (kernels/shared_prefix_decode.py): kv_start, tile_row,
+    # tile_len, tile_ptr, tile_members, uploaded with the batch; None: plain decode.
+    cascade: tuple[Any, ...] | None = None
 
 
 @dataclass
@@ -69,6 +85,8 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_splits: int | None = None) -> None:
         # None: chosen per forward from the batch shape and the device's SM count.
         self.num_splits = num_splits
+        self.cascade_steps = 0  # decode forwards that read a shared prefix once per group
+        self._cascade_for: tuple[ForwardBatch, CascadeHostPlan | None] | None = None
 
     # ---------------------------------------------------------------- metadata (once per step)
 
@@ -110,10 +128,41 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits = decode_num_splits(
                 len(rows), pool.num_kv_heads, max_len, num_sms(fb.device), block_n
             )
-        return DecodePlan(table_rows, seq_lens, token_idx, num_splits)
+        cascade = None
+        host = self._cascade_plan(fb, rows)
+        if host is not None:
+            self.cascade_steps += 1
+            cascade = (upload.add(host.kv_start, np.int32), upload.add(host.tile_row, np.int32),
+                       upload.add(host.tile_len, np.int32), upload.add(host.tile_ptr, np.int32),
+                       upload.add(host.tile_members, np.int32))
+        return DecodePlan(table_rows, seq_lens, token_idx, num_splits, cascade=cascade)
+
+    def _cascade_plan(self, fb: ForwardBatch, rows: list[int]) -> CascadeHostPlan | None:
+        """Groups of decode rows sharing a cached prefix (host table), or None.  Needs the
+        model's head layout (``self.layer``, set by the runner)."""
+        cached = self._cascade_for
+        if cached is not None and cached[0] is fb:
+            return cached[1]
+        plan = None
+        if self.layer is not None and len(rows) > 1:
+            layer = self.layer
+            plan = build_cascade_plan(
+                fb.table_host, fb.rows_cpu[rows], [fb.prefix_lens_cpu[b] + 1 for b in rows],
+                layer.num_heads // layer.num_kv_heads, layer.head_dim, fb.kv_pool.dtype)
+        self._cascade_for = (fb, plan)
+        return plan
 
     def graph_compatible(self, fb: ForwardBatch) -> bool:
-        return True
+        """A graph replays plain decode.  A batch whose shared prefixes would cost more to
+        read once per request than the launches a graph saves runs eagerly, as a cascade."""
+        plan = self._cascade_plan(fb, list(range(fb.batch_size)))
+        if plan is None:
+            return True
+        members = np.diff(plan.tile_ptr)
+        saved_keys = int((plan.tile_len.astype(np.int64) * (members - 1)).sum())
+        pool = fb.kv_pool
+        key_bytes = 2 * pool.num_kv_heads * pool.head_dim * pool.dtype.itemsize * pool.num_layers
+        return saved_keys * key_bytes / DEVICE_BYTES_PER_S < pool.num_layers * GRAPH_SAVES_S_PER_LAYER
 
     def graph_plan(self, table_rows: torch.Tensor, seq_lens: torch.Tensor, token_idx: torch.Tensor,
                    layer: AttentionLayerInfo, kv_pool: KVPool, max_context_len: int
@@ -149,15 +198,23 @@ class TritonAttentionBackend(AttentionBackend):
             out = q.new_empty((q.shape[0], layer.num_heads * layer.head_dim))
         dec = meta.decode
         if dec is not None:
-            if dec.workspace is None:
-                dec.workspace = alloc_decode_workspace(
-                    dec.table_rows.shape[0], layer.num_heads, dec.num_splits, layer.head_dim,
-                    q.device,
+            batch = dec.table_rows.shape[0]
+            if dec.cascade is not None:
+                if dec.workspace is None:
+                    dec.workspace = alloc_cascade_workspace(
+                        batch, layer.num_heads, dec.num_splits, layer.head_dim, q.device)
+                cascade_decode_attention(
+                    q, k_buf, v_buf, out, fb.req_to_token, dec.table_rows, dec.seq_lens,
+                    dec.token_idx, *dec.cascade, layer.scaling, dec.num_splits, dec.workspace,
                 )
-            decode_attention(
-                q, k_buf, v_buf, out, fb.req_to_token, dec.table_rows, dec.seq_lens,
-                dec.token_idx, layer.scaling, dec.num_splits, dec.workspace,
-            )
+            else:
+                if dec.workspace is None:
+                    dec.workspace = alloc_decode_workspace(
+                        batch, layer.num_heads, dec.num_splits, layer.head_dim, q.device)
+                decode_attention(
+                    q, k_buf, v_buf, out, fb.req_to_token, dec.table_rows, dec.seq_lens,
+                    dec.token_idx, layer.scaling, dec.num_splits, dec.workspace,
+                )
         if meta.extend is not None:
             extend_attention(
                 q, k, v, k_buf, v_buf, out, fb.req_to_token, meta.extend, layer.scaling

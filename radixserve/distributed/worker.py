@@ -87,6 +87,7 @@ class RankRunner:
 
     def __init__(self, model: torch.nn.Module, kv_pool: Any, backend: Any, device: str) -> None:
         self.model, self.kv_pool, self.backend, self.device = model, kv_pool, backend, device
+        backend.layer = model.model.layers[0].self_attn.info
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> None:

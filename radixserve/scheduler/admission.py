@@ -94,7 +94,7 @@ class PrefillAdder:
             # No chunking: a long prompt runs alone rather than never.
             return want if not self.plan.entries else None
         # Chunk ends on a page boundary so the tree can take the computed part.
-        n = self.kv.aligned(req.kv_len + limit) - req.kv_len
+        n = self.kv.aligned(req.computed_len + limit) - req.computed_len
         return n if n > 0 else None
 
     def add_chunked(self, req: Req) -> bool:
@@ -141,7 +141,7 @@ class PrefillAdder:
             self.kv.release(req, cache=False)
             return "stop"
         if req.cached_tokens is None:
-            req.cached_tokens = req.tree_len
+            req.cached_tokens = req.cached_len
             req.cached_by_tier = req.cached_split if self.kv.tiers is not None else None
         req.state = ReqState.PREFILLING
         self.kv.drop_swap_hold(req)  # its own lock holds the prefix now

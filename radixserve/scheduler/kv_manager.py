@@ -1,7 +1,7 @@
 """Glue between requests, the page allocator, the request-to-token table and the radix tree.
 
 The only code that moves slots between owners.  Owners of a page: the allocator (free), the
-tree (cached, maybe locked), or exactly one request (``[tree_len, alloc_len)`` of its row).
+tree (cached, maybe locked), or exactly one request (``[cached_len, allocated_len)`` of its row).
 With tiers (``cache/tiers``) it also promotes host nodes a request matched, writes the blocks
 that enter the tree to disk, and loads a waiting request's stored blocks.
 """
@@ -49,8 +49,8 @@ class KVManager:
         return self.allocator.num_free_pages + self.tree.evictable_size() // self.page_size
 
     def new_pages_needed(self, req: Req, n: int) -> int:
-        """Pages to allocate so that the row covers ``[0, kv_len + n)``."""
-        return max(0, self.pages_for(req.kv_len + n) - self.pages_for(req.alloc_len))
+        """Pages to allocate so that the row covers ``[0, computed_len + n)``."""
+        return max(0, self.pages_for(req.computed_len + n) - self.pages_for(req.allocated_len))
 
     def evict_pages(self, n_pages: int) -> None:
         if n_pages > 0:
@@ -107,7 +107,7 @@ class KVManager:
         # Row [0, n): tree slots of the cached prefix.
         if n:
             self.req_pool.write(row, 0, slots)
-        req.kv_len = req.tree_len = req.alloc_len = n
+        req.computed_len = req.cached_len = req.allocated_len = n
         req.last_node = node
         self.tree.inc_lock_ref(node)
         if n and req.num_retractions == 0:  # a retracted request re-reading its own prefix is no hit
@@ -147,11 +147,11 @@ class KVManager:
         return np.concatenate([slots, device]), take[-1], at
 
     def ensure_slots(self, req: Req, n: int) -> bool:
-        """Back row ``[kv_len, kv_len + n)`` with slots, evicting tree leaves if needed."""
+        """Back row ``[computed_len, computed_len + n)`` with slots, evicting tree leaves if needed."""
         return self.ensure_slots_many([req], [n])
 
     def ensure_slots_many(self, reqs: list[Req], ns: list[int]) -> bool:
-        """Back each request's row ``[kv_len, kv_len + n)`` with slots: one allocation and one
+        """Back each request's row ``[computed_len, computed_len + n)`` with slots: one allocation and one
         table write for all of them (a decode step's 64 requests cost one call, not 64).
         False, with nothing allocated, when the pool cannot supply them even after eviction."""
         grow = [(req, pages) for req, n in zip(reqs, ns, strict=True)
@@ -170,45 +170,45 @@ class KVManager:
         starts = np.empty(len(grow), dtype=np.int64)
         counts = np.empty(len(grow), dtype=np.int64)
         for i, (req, pages) in enumerate(grow):
-            # Row [alloc_len, alloc_len + pages * page_size): the request's new pages.
-            rows[i], starts[i], counts[i] = req.row, self.pages_for(req.alloc_len) * ps, pages * ps
-            req.alloc_len = int(starts[i] + counts[i])
+            # Row [allocated_len, allocated_len + pages * page_size): the request's new pages.
+            rows[i], starts[i], counts[i] = req.row, self.pages_for(req.allocated_len) * ps, pages * ps
+            req.allocated_len = int(starts[i] + counts[i])
         self.req_pool.write_runs(rows, starts, counts, slots)
         return True
 
     # ---- giving KV to the tree ---------------------------------------------------------
     def _insert(self, req: Req) -> int:
-        """Insert the computed tokens ``fill_ids[:kv_len]``; free our duplicates of tree pages.
+        """Insert the computed tokens ``fill_ids[:computed_len]``; free our duplicates of tree pages.
 
         Returns the page-aligned length now held by the tree.  Row regions afterwards:
-        ``[tree_len, present)`` were duplicates of tree pages: freed here;
-        ``[present, aligned)`` now belong to the tree; ``[aligned, alloc_len)`` stay ours.
+        ``[cached_len, present)`` were duplicates of tree pages: freed here;
+        ``[present, aligned)`` now belong to the tree; ``[aligned, allocated_len)`` stay ours.
         """
-        aligned = self.aligned(req.kv_len)
-        if self.tree.disable or aligned <= req.tree_len:
-            return req.tree_len
-        row_slots = self.req_pool.read(req.row, 0, req.kv_len)
+        aligned = self.aligned(req.computed_len)
+        if self.tree.disable or aligned <= req.cached_len:
+            return req.cached_len
+        row_slots = self.req_pool.read(req.row, 0, req.computed_len)
         if self.disk is not None:
             self._write_through(req, row_slots)
-        present = self.tree.insert(req.tokens(0, req.kv_len), row_slots, req.extra_key)
-        if present > req.tree_len:
-            self.allocator.free_slots(row_slots[req.tree_len : present])
+        present = self.tree.insert(req.tokens(0, req.computed_len), row_slots, req.extra_key)
+        if present > req.cached_len:
+            self.allocator.free_slots(row_slots[req.cached_len : present])
         return aligned
 
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill chunk: share the computed prefix, keep decoding on tree slots."""
         aligned = self._insert(req)
-        if aligned == req.tree_len:
+        if aligned == req.cached_len:
             return
         result = self.tree.match_prefix(req.tokens(0, aligned), req.extra_key)
         if len(result.slots) != aligned:
             raise RuntimeError(f"tree lost a just-inserted prefix of {req!r}")
-        # Row [0, aligned): the tree's slots (ours in [tree_len, present) were just freed).
+        # Row [0, aligned): the tree's slots (ours in [cached_len, present) were just freed).
         self.req_pool.write(req.row, 0, result.slots)
         self.tree.inc_lock_ref(result.node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = result.node
-        req.tree_len = aligned
+        req.cached_len = aligned
 
     def release(self, req: Req, cache: bool, swap: bool = False) -> None:
         """Free the request's row and pages; with ``cache`` its computed KV goes to the tree,
@@ -219,17 +219,17 @@ class KVManager:
         """
         if req.row is None:
             return
-        keep_until = self._insert(req) if cache else req.tree_len
+        keep_until = self._insert(req) if cache else req.cached_len
         tokens = req.tokens(0, keep_until) if swap and self.swap and keep_until > 0 else None
-        # Row [keep_until, alloc_len): pages still ours after the insert; free them.
-        if req.alloc_len > keep_until:
-            tail = self.req_pool.read(req.row, keep_until, req.alloc_len)
+        # Row [keep_until, allocated_len): pages still ours after the insert; free them.
+        if req.allocated_len > keep_until:
+            tail = self.req_pool.read(req.row, keep_until, req.allocated_len)
             self.allocator.free_slots(tail)
         self.tree.dec_lock_ref(req.last_node)
         self.req_pool.free(req.row)
         req.row = None
         req.last_node = None
-        req.kv_len = req.tree_len = req.alloc_len = 0
+        req.computed_len = req.cached_len = req.allocated_len = 0
         if tokens is not None:  # the part no other request holds leaves the device now
             assert self.tiers is not None
             tip = self.tree.match_prefix(tokens, req.extra_key).node
@@ -240,11 +240,11 @@ class KVManager:
 
     # ---- the disk tier -----------------------------------------------------------------
     def _write_through(self, req: Req, row_slots: np.ndarray) -> None:
-        """Store the request's full blocks in ``[0, kv_len)`` that the disk lacks (their KV is
+        """Store the request's full blocks in ``[0, computed_len)`` that the disk lacks (their KV is
         in the row: tree slots and the request's own)."""
         assert self.tiers is not None and self.disk is not None
         state = req.tiers = req.tiers or ReqTiers()
-        names = self.tiers.block_names(state, req.tokens(0, req.kv_len), req.extra_key)
+        names = self.tiers.block_names(state, req.tokens(0, req.computed_len), req.extra_key)
         if state.stored >= len(names):
             return
         bt = self.tiers.block_tokens
@@ -367,7 +367,7 @@ class KVManager:
 
     # ---- checks ------------------------------------------------------------------------
     def owned_pages(self, reqs: list[Req]) -> int:
-        return sum((r.alloc_len - r.tree_len) // self.page_size for r in reqs if r.row is not None)
+        return sum((r.allocated_len - r.cached_len) // self.page_size for r in reqs if r.row is not None)
 
     def check_invariant(self, reqs: list[Req], idle: bool) -> dict[str, int]:
         """free + tree + requests == all pages; no lock left when idle. Raises on violation."""

@@ -34,6 +34,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.req_pool = req_pool
         self.backend = create_backend(attention_backend)
+        self.backend.layer = model.model.layers[0].self_attn.info
         self.device = device
         # Tensor parallelism: rank 0's link to the other ranks (None: a single rank).
         self.link: WorkerLink | None = None
@@ -58,14 +59,14 @@ class ModelRunner:
     def build_batch(
         self, entries: list[tuple[Req, int]], extra_logits: np.ndarray | None = None
     ) -> ForwardBatch:
-        """Entry ``(req, n)`` computes ``fill_ids[kv_len : kv_len + n]`` of ``req``; the forward
+        """Entry ``(req, n)`` computes ``fill_ids[computed_len : computed_len + n]`` of ``req``; the forward
         also returns the logits of the batch tokens ``extra_logits`` (after the last-token rows)."""
         rows = [r.row for r, _ in entries]
-        prefix_lens = [r.kv_len for r, _ in entries]
+        prefix_lens = [r.computed_len for r, _ in entries]
         extend_lens = [n for _, n in entries]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
-        input_ids = np.concatenate([r.tokens(r.kv_len, r.kv_len + n) for r, n in entries])
-        # Output slots: row[kv_len + i] for i < n, gathered from the host table in one op.
+        input_ids = np.concatenate([r.tokens(r.computed_len, r.computed_len + n) for r, n in entries])
+        # Output slots: row[computed_len + i] for i < n, gathered from the host table in one op.
         row_idx = np.repeat(np.asarray(rows, dtype=np.int64), extend_lens)
         starts = np.cumsum(extend_lens) - np.asarray(extend_lens)
         col_idx = np.arange(len(row_idx), dtype=np.int64) + np.repeat(

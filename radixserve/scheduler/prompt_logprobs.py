@@ -94,7 +94,7 @@ class PromptLogprobPlan:
 
 
 def plan_rows(entries: list[tuple[Req, int]]) -> PromptLogprobPlan | None:
-    """Extra LM-head rows of a forward whose entry ``(req, n)`` computes ``fill_ids[kv_len : kv_len + n]``."""
+    """Extra LM-head rows of a forward whose entry ``(req, n)`` computes ``fill_ids[computed_len : computed_len + n]``."""
     rows: list[np.ndarray] = []
     targets: list[np.ndarray] = []
     owners: list[tuple[Req, int]] = []
@@ -102,17 +102,17 @@ def plan_rows(entries: list[tuple[Req, int]]) -> PromptLogprobPlan | None:
     for req, n in entries:
         state = req.prompt_logprobs
         if state is not None and state.pending:
-            if req.kv_len > state.next_pos:
+            if req.computed_len > state.next_pos:
                 raise RuntimeError(
-                    f"{req!r} skipped prompt positions [{state.next_pos}, {req.kv_len}) whose "
+                    f"{req!r} skipped prompt positions [{state.next_pos}, {req.computed_len}) whose "
                     "logits are owed; its prefix match should have stopped there"
                 )
-            # Positions computed now: [kv_len, kv_len + n).  Owed: [next_pos, prompt_len - 1).
+            # Positions computed now: [computed_len, computed_len + n).  Owed: [next_pos, prompt_len - 1).
             # Rows: their intersection, [lo, hi).
             lo = state.next_pos
-            hi = min(req.kv_len + n, state.prompt_len - 1)
+            hi = min(req.computed_len + n, state.prompt_len - 1)
             if lo < hi:
-                rows.append(np.arange(offset + lo - req.kv_len, offset + hi - req.kv_len, dtype=np.int64))
+                rows.append(np.arange(offset + lo - req.computed_len, offset + hi - req.computed_len, dtype=np.int64))
                 targets.append(np.asarray(req.tokens(lo + 1, hi + 1), dtype=np.int64))
                 owners.append((req, hi - lo))
         offset += n

@@ -44,15 +44,17 @@ class Req:
     """Lengths vocabulary (all in tokens):
 
     ``fill_ids = prompt_ids + output_ids``: every token whose K/V should exist eventually.
-    ``kv_len``: tokens of ``fill_ids`` whose K/V is computed and written in the request's row.
-    ``tree_len``: tokens at the start of the row whose slots belong to the radix tree (locked
+    ``computed_len``: tokens of ``fill_ids`` whose K/V is computed and written in the request's
+    row.
+    ``cached_len``: tokens at the start of the row whose slots belong to the radix tree (locked
     through ``last_node``); page aligned.
-    ``alloc_len``: tokens of the row backed by slots; ``>= kv_len`` (the rest of the last page).
+    ``allocated_len``: tokens of the row backed by slots; ``>= computed_len`` (the rest of the
+    last page).
 
-    Row ``req_to_token[row]``:
-      ``[0, tree_len)``          tree slots, locked, never freed by the request
-      ``[tree_len, alloc_len)``  slots of pages the request owns, freed or given to the tree
-      ``[kv_len, alloc_len)``    allocated but not written yet (tail of the last page)
+    Row ``req_to_token[row]`` (the KV manager's host table; the device copy only receives):
+      ``[0, cached_len)``               tree slots, locked, never freed by the request
+      ``[cached_len, allocated_len)``   slots of pages the request owns, freed or given to the tree
+      ``[computed_len, allocated_len)`` allocated but not written yet (tail of the last page)
     """
 
     def __init__(
@@ -94,9 +96,9 @@ class Req:
         self.first_token_time: float | None = None  # perf_counter() at the first output token
         # KV bookkeeping (see class docstring)
         self.row: int | None = None
-        self.kv_len = 0
-        self.tree_len = 0
-        self.alloc_len = 0
+        self.computed_len = 0
+        self.cached_len = 0
+        self.allocated_len = 0
         self.last_node: TreeNode | None = None
         # Stats and streaming
         self.cached_tokens: int | None = None  # tree hit at first admission
@@ -149,7 +151,7 @@ class Req:
     @property
     def remaining_extend(self) -> int:
         """Tokens still to compute before the request can sample (prefill left)."""
-        return self.fill_len - self.kv_len
+        return self.fill_len - self.computed_len
 
     @property
     def finished(self) -> bool:
@@ -158,5 +160,6 @@ class Req:
     def __repr__(self) -> str:
         return (
             f"Req({self.rid!r}, {self.state.value}, prompt={self.prompt_len}, "
-            f"out={self.output_len}, kv={self.kv_len}, tree={self.tree_len}, alloc={self.alloc_len})"
+            f"out={self.output_len}, computed={self.computed_len}, cached={self.cached_len}, "
+            f"allocated={self.allocated_len})"
         )

@@ -378,11 +378,11 @@ class Scheduler:
         # except prefill-only requests (max_new_tokens 0), which finish here with nothing
         # sampled: their prompt goes to the tree when they are released, like any finished
         # request's.
-        done = [i for i, (r, n) in enumerate(entries) if r.kv_len + n == r.fill_len]
+        done = [i for i, (r, n) in enumerate(entries) if r.computed_len + n == r.fill_len]
         sample_idx = [i for i in done if entries[i][0].params.max_new_tokens > 0]
         sample_logits = self.runner.forward(entries, sample_idx)
         for req, n in entries:
-            req.kv_len += n
+            req.computed_len += n
         for i in done:
             if entries[i][0].params.max_new_tokens == 0:
                 entries[i][0].finish_reason = FinishReason("length", length=0)
