@@ -14,6 +14,8 @@ from radixserve.config import ServerArgs
 from radixserve.scheduler.cuda_graph import graph_buckets
 
 ON_CUDA = torch.cuda.is_available()
+# On a GPU machine the kernels are compiled and the graphs captured for real.
+DEVICE = "cuda" if ON_CUDA else "cpu"
 
 
 def test_buckets() -> None:
@@ -37,7 +39,7 @@ def test_settings() -> None:
 
 def run(folder: str, graphs: bool, prompts: list[list[int]], **settings) -> tuple[dict, object]:
     sched = make_scheduler(folder, attention_backend="triton", page_size=4, max_total_tokens=2048,
-                           **settings)
+                           device=DEVICE, cuda_graph_max_bs=0, **settings)
     if graphs:
         sched.runner.use_decode_graphs(8, sched.context_len)
     rids = [submit(sched, p, max_new_tokens=3 + 2 * i, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -66,7 +68,8 @@ def test_graph_decode_equals_eager_decode_and_padding_writes_only_slot_0(tiny_mo
 def test_what_runs_eagerly(tiny_model_dir) -> None:
     """Prefill and mixed batches, and batches asking for prompt-logprob rows, do not replay."""
     folder = tiny_model_dir("llama")
-    sched = make_scheduler(folder, attention_backend="triton", max_total_tokens=1024)
+    sched = make_scheduler(folder, attention_backend="triton", max_total_tokens=1024, device=DEVICE,
+                           cuda_graph_max_bs=0)
     sched.runner.use_decode_graphs(2, sched.context_len)
     graphs = sched.runner.graphs
     submit(sched, list(range(3, 20)), max_new_tokens=2, ignore_eos=True)

@@ -407,7 +407,8 @@ def test_scheduler_decodes_shared_prefixes_through_the_cascade(tiny_model_dir) -
     prompts = [system + rng.integers(3, 250, int(n)).tolist() for n in (3, 9, 5, 12)]
     outs = {}
     for backend in ("torch", "triton"):
-        sched = make_scheduler(folder, attention_backend=backend, page_size=4, max_total_tokens=2048)
+        sched = make_scheduler(folder, attention_backend=backend, page_size=4, max_total_tokens=2048,
+                               device=DEVICE.type, cuda_graph_max_bs=0)
         rids = [submit(sched, prompts[0], max_new_tokens=1)]  # caches the prefix first
         run_until_idle(sched)
         rids = [submit(sched, p, max_new_tokens=6, ignore_eos=True) for p in prompts]

@@ -16,8 +16,10 @@ _rid = itertools.count()
 
 
 def make_scheduler(folder: str, tokenizer: Any = None, **settings: Any) -> Scheduler:
-    args = ServerArgs.from_kwargs(model=folder, device="cpu", dtype="float32", **settings).resolve()
-    loaded = load_model(folder, torch.float32)
+    """A float32 scheduler on the CPU (or on ``device=...``)."""
+    settings.setdefault("device", "cpu")
+    args = ServerArgs.from_kwargs(model=folder, dtype="float32", **settings).resolve()
+    loaded = load_model(folder, torch.float32, args.device)
     return Scheduler(args, loaded.model, loaded.config, tokenizer)
 
 
