@@ -155,16 +155,13 @@ def build_cascade_plan(
 
     ``table``: host request-to-token table [R, C]; ``rows``: table row of each decode row;
     ``seq_lens``: keys of each decode row, its new token included; ``group_size``: query heads
-    per KV head; ``dtype``: the KV pool's.  ``find_shared_groups`` never reports fewer than its
-    own ``MIN_SHARED_TOKENS`` (16), so smaller ``min_shared`` values act as 16.
+    per KV head; ``dtype``: the KV pool's.
     """
     rows = np.asarray(rows, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     # Decode row b may share keys [0, seq_len - 1): its newest key stays its own.  Rows that
     # cannot share min_shared keys stay out, so they cannot cut a group's shared run short.
-    shareable = seq_lens - 1
-    shareable = np.where(shareable >= min_shared, shareable, 0)
-    groups = [(m, s) for m, s in find_shared_groups(table, rows, shareable) if s >= min_shared]
+    groups = find_shared_groups(table, rows, seq_lens - 1, min_shared)
     if not groups:
         return None
 

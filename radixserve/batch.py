@@ -96,7 +96,8 @@ class ForwardBatch:
         """The batch's one host-to-device copy (what the backend staged included); then the
         request table's missing cells are written on the device."""
         self.upload.send()
-        resolve(self)
+        if not self.upload.direct:  # on the host device nothing was staged: no placeholders
+            resolve(self)
         if self.table_updates is not None:
             index, slots = self.table_updates
             self.req_to_token.view(-1).index_copy_(0, index, slots)

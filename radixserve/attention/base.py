@@ -26,6 +26,7 @@ class AttentionBackend(ABC):
     """Writes new K/V into the pool and attends over cached prefix + new tokens."""
 
     name: str = "base"
+    supports_cuda_graphs: bool = False  # has graph_plan (scheduler/cuda_graph.py)
     # The model's attention layout (heads, head size), set by whoever runs the model: plans that
     # depend on the query heads (the Triton cascade's tiles) need it before the first layer.
     layer: AttentionLayerInfo | None = None

@@ -218,6 +218,7 @@ class GatherPath:
             group.seq_lens = upload.add(pre + ext)
         return group
 
+    # ---------------------------------------------------------------- per layer
 
     def _buffers(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reusable [2, numel] buffer for gathered K and V (grows, never shrinks)."""

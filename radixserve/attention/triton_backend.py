@@ -81,6 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged decode / extend attention in Triton kernels."""
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         # None: chosen per forward from the batch shape and the device's SM count.

@@ -70,8 +70,9 @@ class ReqToTokenPool:
     # ---- the device copy ---------------------------------------------------------------
     def sync_updates(self, rows: list[int], ends: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """The cells the device copy lacks for ``host[rows[i], :ends[i]]``: ``(flat index into
-        the table, slot)``; the caller uploads them and calls :meth:`apply`.  None when the
-        device copy is the host array or already up to date.  Marks them as synced."""
+        the table, slot)``, for the forward's upload (``ForwardBatch.send`` writes them into
+        ``table``).  None when the device copy is the host array or already up to date.  Marks
+        them as synced."""
         if self.shared:
             return None
         rows_np = np.asarray(rows, dtype=np.int64)
@@ -85,7 +86,3 @@ class ReqToTokenPool:
         flat_rows = np.repeat(rows_np, counts)
         np.maximum.at(self._synced, rows_np, ends_np)
         return flat_rows * self.max_context_len + cols, self.host[flat_rows, cols]
-
-    def apply(self, flat_index: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write uploaded cells into the device copy (no host sync)."""
-        self.table.view(-1).index_copy_(0, flat_index, slots)

@@ -101,10 +101,10 @@ class Scheduler:
             model, self.vocab_size, kv_pool, self.req_pool, args.attention_backend, self.device
         )
         if args.cuda_graph_max_bs and self.device.type == "cuda" and args.tp_size == 1:
-            if args.attention_backend == "triton":
+            if self.runner.backend.supports_cuda_graphs:
                 self.runner.use_decode_graphs(min(args.cuda_graph_max_bs, self.max_running), self.context_len)
             else:
-                logger.info("CUDA graphs replay the triton backend's decode; the %s backend runs eagerly",
+                logger.info("the %s attention backend has no CUDA-graph decode: decode runs eagerly",
                             args.attention_backend)
         self.stop_checker = StopChecker(set(model_config.eos_token_ids), self.context_len, tokenizer)
         self.constraints = Constraints(
