@@ -36,7 +36,30 @@ def machine_info() -> dict[str, Any]:
     }
     if info["cuda"]:
         info["gpu"] = torch.cuda.get_device_name(0)
+    info.update(cpu_kind())
     return info
+
+
+# The instruction sets the CPU kernels choose between (radixserve/cpu_ext/vec.h).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_kind() -> dict[str, Any]:
+    """The CPU's model name (as lscpu shows it) and which of :data:`CPU_FLAGS` it has."""
+    model, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine()):
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    kind = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else (
+        "AVX2" if "avx2" in flags else "other")
+    return {"cpu_model": model, "cpu_kind": kind, "cpu_flags": {f: f in flags for f in CPU_FLAGS}}
 
 
 def args_params(args: argparse.Namespace) -> dict[str, Any]:

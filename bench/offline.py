@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
-from bench.common import args_params, machine_info, target_lines, write_report  # noqa: E402
+from bench.common import args_params, cpu_kind, machine_info, target_lines, write_report  # noqa: E402
 from bench.matmul_floor import MatmulShapes, matmul_floor, matmul_rates, model_matmul_shapes  # noqa: E402
 from bench.offline_breakdown import Generate, decode_breakdown, format_breakdown, workload_breakdown  # noqa: E402
 from bench.offline_report import (  # noqa: E402
@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     work, decode_prompts, line = build_workload(args, tokenizer)
     print(line)
+    print("cpu: {cpu_model} ({cpu_kind})".format(**cpu_kind()))
     ctx = RunContext(model_matmul_shapes(args.model), decode_prompts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runs = [(d, c) for d in args.dtypes for c in args.configs]

@@ -104,6 +104,11 @@ def check_targets(rows: list[dict[str, Any]], workload: str) -> list[dict[str, A
             continue
         checks.append(target(dtype, "radix computed/unique <=", radix["computed_over_unique"],
                              TARGET_COMPUTED_OVER_UNIQUE, at_least=False))
+        # The default (C++ kernels) against the torch path it replaces, on this CPU: a kernel
+        # slower than the fallback here must not be the default here.
+        fallback = by.get(("radix-torch", dtype))
+        checks.append(target(dtype, "radix wall / radix-torch wall <=",
+                             radix["wall_s"] / fallback["wall_s"] if fallback else None, 1.0, at_least=False))
         for other, limit in (("no-radix", TARGET_SPEEDUP_VS_NO_RADIX), ("hf-static", TARGET_SPEEDUP_VS_HF)):
             row = by.get((other, dtype))
             speedup = row["speedup_of_radix"] if row else None
