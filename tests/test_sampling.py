@@ -19,6 +19,7 @@ from radixserve.sampling import (
     pad_token_ids,
     sample,
 )
+from radixserve.sampling.sampler import CANDIDATES
 
 P = SamplingParams
 
@@ -391,6 +392,72 @@ def test_filters_never_sample_a_filtered_token_large_vocab():
         drawn = set(_draw([params] * n, logits, seeds=list(range(n))).next_token_ids)
         assert drawn <= allowed, name
         assert len(drawn) >= min(len(allowed), 5), name
+
+
+def _reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The filtered distribution by a full stable sort of the vocabulary (the reference the
+    candidate path must equal): temperature, top-k, top-p on what top-k left, min-p."""
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    probs = logp.exp()
+    order = probs.argsort(descending=True, stable=True)
+    sorted_p = probs[order]
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if 0 < params.top_k < len(probs):
+        keep[params.top_k:] = False
+    kept = sorted_p * keep
+    cumulative = kept.cumsum(0)
+    keep &= (cumulative - kept) <= params.top_p * cumulative[-1]
+    keep &= sorted_p >= params.min_p * sorted_p[0]
+    out = torch.zeros_like(probs)
+    out[order[keep]] = sorted_p[keep]
+    return out / out.sum()
+
+
+# A flat row keeps far more than sampler.CANDIDATES tokens under top-p / min-p (the rerun with
+# every token a candidate); a peaked one keeps a few (the candidate path alone).
+_FLAT = torch.randn(3000, generator=torch.Generator().manual_seed(11)) * 0.3
+_PEAKED = torch.randn(3000, generator=torch.Generator().manual_seed(12)) * 3
+
+
+@pytest.mark.parametrize(
+    "logits, params",
+    [
+        (_FLAT, P(top_p=0.9)),
+        (_FLAT, P(min_p=0.5, temperature=0.7)),
+        (_FLAT, P(top_k=400, top_p=0.8)),  # top_k above the candidates: all of it taken
+        (_PEAKED, P(top_p=0.95, temperature=1.3)),
+        (_PEAKED, P(top_k=20, min_p=0.02)),
+    ],
+)
+def test_large_vocab_distribution_matches_a_full_sort(logits, params):
+    """Chi-square of 30k seeded draws against the full-sort reference, with the kept set
+    larger and smaller than the candidates; never a token the reference filters."""
+    n = 30_000
+    expected = _reference_probs(logits, params)
+    counts = torch.bincount(torch.tensor(_draw([params] * n, logits.expand(n, -1).clone()).next_token_ids),
+                            minlength=len(logits)).double()
+    keep = expected > 0
+    assert (counts[~keep] == 0).all(), "a filtered token was sampled"
+    # Tokens with tiny expected counts pooled into one cell, so every cell expects >= 5 draws.
+    e = expected[keep].double() * n
+    o = counts[keep]
+    small = e < 5
+    cells_e = torch.cat([e[~small], e[small].sum()[None]]) if small.any() else e
+    cells_o = torch.cat([o[~small], o[small].sum()[None]]) if small.any() else o
+    dof = len(cells_e) - 1
+    chi2 = float(((cells_o - cells_e) ** 2 / cells_e).sum())
+    assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+def test_a_rerun_for_a_flat_neighbour_leaves_other_rows_as_they_were():
+    """A flat top-p row makes sample() run the batch again with every token a candidate; the
+    peaked rows beside it draw what they draw without it."""
+    assert int((_reference_probs(_FLAT, P(top_p=0.99)) > 0).sum()) > CANDIDATES
+    peaked = [P(top_p=0.9), P(top_k=50, temperature=0.8), P(min_p=0.1), P(temperature=1.1)]
+    logits = torch.stack([_PEAKED * (1 + 0.1 * i) for i in range(len(peaked))])
+    alone = _draw(peaked, logits, seeds=[5, 6, 7, 8]).next_token_ids
+    with_flat = _draw(peaked + [P(top_p=0.99)], torch.cat([logits, _FLAT[None]]), seeds=[5, 6, 7, 8, 9])
+    assert with_flat.next_token_ids[:4] == alone
 
 
 # ---------------------------------------------------------------- logprobs

@@ -11,14 +11,21 @@ Order of operations inside ``sample`` (per row, all rows at once):
   4. the other rows: divide by temperature, filter top-k, then top-p (on what top-k left,
      renormalised), then min-p (relative to the most likely token), and draw.
 
-Seeded draws.  The draw is Gumbel-max: ``argmax(log p + G)`` with ``G = -log(-log U)``.
-``U`` for token ``t`` of a request comes from a counter-based hash (splitmix64) of
-``(seed, step, t)`` computed on tensors, so a request's random numbers depend only on its
-own seed and how many tokens it has generated -- not on its position in the batch, on the
-other requests beside it, or on what ran before.  A retracted and recomputed request draws
-the same tokens again.  Every row of a batch also goes through the same arithmetic
-whichever filters its neighbours use (neutral knobs are exact no-ops), so the result is
-bit-identical across batch compositions.
+Filtering without sorting the vocabulary.  A filtered row keeps a prefix of its tokens in
+descending order of probability (each of the three filters keeps a prefix), so only its
+``CANDIDATES`` most likely tokens (or its ``top_k``, if larger) are taken, by ``topk``; the
+filters run on those.  When the kept prefix reaches the last candidate (a top-p or min-p row
+whose distribution is flat), the candidates may not hold it all: ``sample`` then runs the batch
+again with every token a candidate -- the same arithmetic, so the answer is what a full sort
+gives.  Rows without filters draw over the whole vocabulary in token-id order.
+
+Seeded draws.  Each row draws one uniform ``U`` and takes the first token whose running sum of
+kept probabilities exceeds ``U`` times their total (inverse CDF).  ``U`` comes from a
+counter-based hash (splitmix64) of ``(seed, step)`` computed on tensors, so a request's random
+numbers depend only on its own seed and how many tokens it has generated -- not on its position
+in the batch, on the other requests beside it, or on what ran before.  A retracted and
+recomputed request draws the same tokens again.  How a row is drawn depends only on its own
+knobs, so the result is the same across batch compositions.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ _GAMMA = 0x9E3779B97F4A7C15 - 2**64
 _MIX1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX2 = 0x94D049BB133111EB - 2**64
 _UNIFORM_BITS = 23  # 0.5 + k over 2**23 stays strictly inside (0, 1) in float32
+# Tokens a filtered row takes from its distribution before filtering (see the module docstring):
+# at a temperature of 1 the default model's 256 most likely tokens hold the top-p 0.95 set of
+# nearly every decode step.
+CANDIDATES = 256
 
 
 def to_int64(x: int) -> int:
@@ -91,9 +102,11 @@ class SamplingBatch:
     # Host-side facts, so ``sample`` can skip work without a device sync.
     sampled_rows: torch.Tensor | None  # [S] int64 non-greedy rows; None when all rows sample
     num_sampled: int
-    need_top_k: bool  # among the sampled rows
-    need_top_p: bool
-    need_min_p: bool
+    # Positions among the sampled rows of those with a filter (top-k, top-p or min-p) and of
+    # those without; None where that set is empty.  max_top_k: the largest top-k of a row, or 0.
+    filtered_rows: torch.Tensor | None
+    plain_rows: torch.Tensor | None
+    max_top_k: int
     # Penalty state; None when no row of the batch uses that penalty.
     seen_mask: torch.Tensor | None = None  # [B, V] bool, token in prompt + output
     output_counts: torch.Tensor | None = None  # [B, V] float32, count in output
@@ -146,8 +159,10 @@ class SamplingBatch:
         ).reshape(n, 3).T)
 
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-        sampled_params = [params[i] for i in sampled]
         sampled_rows = None if len(sampled) == n else upload.add(sampled)
+        has_filter = [_has_filter(params[i], vocab_size) for i in sampled]
+        filtered_rows = upload.add([j for j, f in enumerate(has_filter) if f]) if any(has_filter) else None
+        plain_rows = upload.add([j for j, f in enumerate(has_filter) if not f]) if not all(has_filter) else None
         logit_bias = None
         if any(p.logit_bias for p in params):
             rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
@@ -169,8 +184,8 @@ class SamplingBatch:
                 for i, p in enumerate(params)
             ], vocab_size))
         upload.send()
-        floats, ints, sampled_rows, logit_bias, seen_ids, out_ids = resolve(
-            (floats, ints, sampled_rows, logit_bias, seen_ids, out_ids))
+        floats, ints, sampled_rows, filtered_rows, plain_rows, logit_bias, seen_ids, out_ids = resolve(
+            (floats, ints, sampled_rows, filtered_rows, plain_rows, logit_bias, seen_ids, out_ids))
         temps, top_ps, min_ps, reps, freqs, pres = floats.unbind(0)
         seed_t, steps, top_ks = ints.unbind(0)
         return cls(
@@ -186,13 +201,17 @@ class SamplingBatch:
             vocab_size=vocab_size,
             sampled_rows=sampled_rows,
             num_sampled=len(sampled),
-            need_top_k=any(0 < p.top_k < vocab_size for p in sampled_params),
-            need_top_p=any(p.top_p < 1.0 for p in sampled_params),
-            need_min_p=any(p.min_p > 0.0 for p in sampled_params),
+            filtered_rows=filtered_rows,
+            plain_rows=plain_rows,
+            max_top_k=max((params[i].top_k for i in sampled if 0 < params[i].top_k < vocab_size), default=0),
             logit_bias=logit_bias,
             seen_mask=None if seen_ids is None else count_tokens(seen_ids, vocab_size) > 0,
             output_counts=None if out_ids is None else count_tokens(out_ids, vocab_size),
         )
+
+
+def _has_filter(p: SamplingParams, vocab_size: int) -> bool:
+    return 0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0
 
 
 @dataclass
@@ -202,51 +221,69 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]]] | None  # per row, top_logprobs_num[i] pairs
 
 
-def _filter_mask(
-    logp: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
-    min_ps: torch.Tensor,
-    batch: SamplingBatch,
-) -> torch.Tensor | None:
-    """[S, V] bool of tokens removed by top-k, top-p (after top-k) and min-p, or None.
-    A row with neutral knobs gets an all-False row whatever its neighbours use."""
-    remove = None
-    if batch.need_top_k or batch.need_top_p:
-        # One stable sort for both, so ties at a boundary break the same way in every batch.
-        sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)
-        positions = torch.arange(logp.shape[-1], device=logp.device)
-        remove_sorted = positions[None, :] >= top_ks[:, None]
-        if batch.need_top_p:
-            kept = sorted_logp.exp().masked_fill(remove_sorted, 0.0)
-            cumulative = kept.cumsum(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p of what top-k kept.
-            over = (cumulative - kept) > top_ps[:, None] * cumulative[:, -1:]
-            remove_sorted |= over & (top_ps < 1.0)[:, None]
-        remove = torch.zeros_like(remove_sorted).scatter_(1, order, remove_sorted)
-    if batch.need_min_p:
-        # p < min_p * p_max  <=>  log p < log p_max + log min_p   (min_p = 0: threshold -inf)
-        threshold = logp.max(dim=-1, keepdim=True).values + min_ps.log()[:, None]
-        below = logp < threshold
-        remove = below if remove is None else remove | below
-    return remove
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[R] index drawn from each row of ``weights`` [R, N] (>= 0, not all 0) with probability
+    proportional to its weight: the first index whose running sum exceeds ``u`` times the total.
+    ``u`` lies strictly inside (0, 1), so a zero weight is never drawn."""
+    cumulative = weights.cumsum(dim=-1)
+    target = uniform[:, None] * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, target, right=True).clamp_(max=weights.shape[-1] - 1)[:, 0]
+
+
+def _filtered_candidates(
+    logp: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each row of ``logp`` [R, V] with the filters applied:
+    (weights [R, k], zero where filtered; token ids [R, k]; [R] bool, True where the kept prefix
+    may run past the candidates).  ``top_ks`` holds V where top-k is off."""
+    values, ids = logp.topk(k, dim=-1)  # descending
+    probs = values.exp()
+    positions = torch.arange(k, device=logp.device)
+    remove = positions[None, :] >= top_ks[:, None]
+    kept = probs.masked_fill(remove, 0.0)
+    cumulative = kept.cumsum(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p of what top-k kept (the whole row's
+    # mass, 1, where top-k is off: the candidates hold all of a top-k row, not all of the others).
+    total = torch.where(top_ks < logp.shape[-1], cumulative[:, -1], 1.0)
+    over = (cumulative - kept) > top_ps[:, None] * total[:, None]
+    remove |= over & (top_ps < 1.0)[:, None]
+    # p < min_p * p_max  <=>  log p < log p_max + log min_p   (min_p = 0: threshold -inf)
+    remove |= values < values[:, :1] + min_ps.log()[:, None]
+    weights = probs.masked_fill(remove, 0.0)
+    uncovered = (weights[:, -1] > 0) & (top_ks > k) if k < logp.shape[-1] else None
+    return weights, ids, uncovered
 
 
 def _sample_rows(
-    logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | None
-) -> torch.Tensor:
-    """Draw one token per row of ``logits`` [S, V] (the non-greedy rows ``rows`` of the batch)."""
+    logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | None, exhaustive: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draw one token per row of ``logits`` [S, V] (the non-greedy rows ``rows`` of the batch),
+    and [S] bool of rows whose candidates may have been too few (None: none can be)."""
 
     def pick(t: torch.Tensor) -> torch.Tensor:
         return t if rows is None else t.index_select(0, rows)
 
-    logp = torch.log_softmax(logits / pick(batch.temperatures)[:, None], dim=-1)
-    remove = _filter_mask(logp, pick(batch.top_ks), pick(batch.top_ps), pick(batch.min_ps), batch)
-    if remove is not None:
-        logp = logp.masked_fill(remove, float("-inf"))
-    uniform = counter_uniform(pick(batch.seeds), pick(batch.steps), logits.shape[-1])
-    gumbel = -torch.log(-torch.log(uniform))
-    return (logp + gumbel).argmax(dim=-1)
+    scaled = logits / pick(batch.temperatures)[:, None]
+    uniform = counter_uniform(pick(batch.seeds), pick(batch.steps), 1)[:, 0]
+    filtered, plain = batch.filtered_rows, batch.plain_rows
+    if filtered is None:  # no row filters: every row over the whole vocabulary
+        return _inverse_cdf(torch.softmax(scaled, dim=-1), uniform), None
+    vocab = logits.shape[-1]
+    k = vocab if exhaustive else min(vocab, max(CANDIDATES, batch.max_top_k))
+    weights, ids, uncovered = _filtered_candidates(
+        torch.log_softmax(scaled.index_select(0, filtered), dim=-1), pick(batch.top_ks).index_select(0, filtered),
+        pick(batch.top_ps).index_select(0, filtered), pick(batch.min_ps).index_select(0, filtered), k)
+    drawn = ids.gather(1, _inverse_cdf(weights, uniform.index_select(0, filtered))[:, None])[:, 0]
+    if plain is None:
+        return drawn, uncovered
+    out = torch.empty(scaled.shape[0], dtype=torch.int64, device=logits.device)
+    out.index_copy_(0, filtered, drawn)
+    out.index_copy_(0, plain, _inverse_cdf(torch.softmax(scaled.index_select(0, plain), dim=-1),
+                                           uniform.index_select(0, plain)))
+    if uncovered is not None:
+        uncovered = torch.zeros(scaled.shape[0], dtype=torch.bool, device=logits.device).index_copy_(
+            0, filtered, uncovered)
+    return out, uncovered
 
 
 def sample(
@@ -254,9 +291,11 @@ def sample(
     batch: SamplingBatch,
     return_logprob: list[bool] | None = None,
     top_logprobs_num: list[int] | None = None,
+    exhaustive: bool = False,
 ) -> SampleOutput:
     """Pick the next token of every row of ``logits`` [B, V] (see the module docstring for the
-    order of operations).  ``logits`` is not modified."""
+    order of operations).  ``logits`` is not modified.  ``exhaustive``: every token is a
+    candidate of the filtered rows (the rerun when the candidates may have been too few)."""
     num_rows = logits.shape[0]
     if num_rows != batch.batch_size:
         raise ValueError(f"logits have {num_rows} rows, the sampling batch {batch.batch_size}")
@@ -269,6 +308,7 @@ def sample(
     if num_rows == 0:
         return SampleOutput([], None, None)
 
+    raw_logits = logits
     logits = logits.float()
     if batch.logit_bias is not None:
         rows, cols, vals = batch.logit_bias
@@ -280,19 +320,25 @@ def sample(
             logits, batch.output_counts, batch.freq_penalties, batch.pres_penalties
         )
 
+    uncovered = None
     if batch.num_sampled == num_rows:
-        next_ids = _sample_rows(logits, batch, None)
+        next_ids, uncovered = _sample_rows(logits, batch, None, exhaustive)
     else:
         next_ids = logits.argmax(dim=-1)
         if batch.num_sampled > 0:
             rows = batch.sampled_rows
-            drawn = _sample_rows(logits.index_select(0, rows), batch, rows)
+            drawn, uncovered = _sample_rows(logits.index_select(0, rows), batch, rows, exhaustive)
             next_ids = next_ids.index_copy(0, rows, drawn)
+            if uncovered is not None:
+                uncovered = torch.zeros(num_rows, dtype=torch.bool, device=logits.device).index_copy_(
+                    0, rows, uncovered)
 
     want_logprob = bool(return_logprob) and any(return_logprob)
     top_k_max = max(top_logprobs_num, default=0) if top_logprobs_num else 0
     # One read-back for everything the host needs (ids travel as float64, exact below 2**53).
     parts = [next_ids.double()[:, None]]
+    if uncovered is not None:  # read back with the rest; the rare rerun costs a second one
+        parts.append(uncovered.double()[:, None])
     k = 0
     if want_logprob or top_k_max > 0:
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -303,9 +349,11 @@ def sample(
             values, ids = logp_all.topk(k, dim=-1)
             parts += [values.double(), ids.double()]
     host = read_back(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).numpy()
+    if uncovered is not None and host[:, 1].any():
+        return sample(raw_logits, batch, return_logprob, top_logprobs_num, exhaustive=True)
     next_token_ids = host[:, 0].astype(np.int64).tolist()
     logprobs = top_logprobs = None
-    col = 1
+    col = 1 if uncovered is None else 2
     if want_logprob:
         logprobs = host[:, 1].tolist()
         col = 2
