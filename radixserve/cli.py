@@ -43,6 +43,8 @@ _HELP = {
     "tp_size": "tensor parallelism: split the model over N processes (gloo on a CPU, NCCL over N GPUs)",
     "cuda_graph_max_bs": "largest decode batch replayed from a captured CUDA graph (default 256 on CUDA; 0: none)",
     "disable_cuda_graph": "run every decode step eagerly on CUDA (no graph capture)",
+    "quantization": "none, or int8: weight-only int8 matmuls with a scale per output channel (4x less "
+                    "weight memory than float32; a CPU decode step reads that much less)",
     "load_format": "auto (the model's weights) or dummy (random weights from its config.json, for benchmarks)",
     "context_length": "longest sequence (default: the model's max_position_embeddings)",
     "random_seed": "seed of the seeds drawn for requests that give none",
@@ -157,6 +159,7 @@ radixserve: an LLM serving runtime built around a radix-tree prefix cache.
   radixserve generate "What is the capital of France?"   one completion, streamed
   radixserve serve                                       OpenAI-compatible HTTP server
   radixserve chat                                        chat in the terminal
+  radixserve build-kernels                               compile the CPU kernels ahead of time
   radixserve bench serving --help                        benchmarks
 
 Without --model, the embedded default model (SmolLM2-135M-Instruct) is used."""
@@ -167,7 +170,7 @@ _QUIET = {"log_level": "warning"}  # commands that print to the terminal keep IN
 def _build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="radixserve", description=_DESCRIPTION, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,cache,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,cache,build-kernels,bench}")
     gen = sub.add_parser("generate", help="print a completion for one prompt",
                          description="Print a completion for one prompt, as it is generated.")
     gen.add_argument("prompt", help="the prompt (the chat template is applied for instruct models)")
@@ -195,6 +198,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="weight: tokens x hits of each prefix; tokens: tokens held below it (default: weight)")
     cache.add_argument("--limit", type=int, default=10, help="prefixes to show (default: 10)")
     cache.add_argument("--api-key", default=None, help="the server's API key (default: none)")
+    sub.add_parser("build-kernels", help="compile the CPU kernels now (else the first CPU start does)",
+                   description="Compile the C++ CPU kernels for this machine into the cache folder "
+                               "(else the first CPU start compiles them).")
     sub.add_parser("bench", help="benchmarks: radixserve bench {serving,compare} --help", add_help=False)
     return parser
 
@@ -205,6 +211,16 @@ def cmd_cache(ns: argparse.Namespace) -> int:
     return print_cache_report(ns.url, ns.sort, ns.limit, ns.api_key)
 
 
+def cmd_build_kernels(ns: argparse.Namespace) -> int:
+    from radixserve import cpu_ext
+
+    if cpu_ext.load() is None:  # why was logged by the build
+        print("radixserve: the CPU kernels could not be built; CPU runs use the torch path", file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready in {cpu_ext.build_dir()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmarks parse their own flags
@@ -212,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     ns = _build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "cache": cmd_cache}
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "cache": cmd_cache,
+                "build-kernels": cmd_build_kernels}
     try:
         return commands[ns.command](ns)
     except (ValueError, FileNotFoundError) as e:  # the user's input: one line, exit 2

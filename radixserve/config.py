@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+# Weight formats of --quantization (radixserve/quantization.py).
+QUANTIZATIONS = ("none", "int8")
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")  # scheduler/policy.py
 _EVICTION_POLICIES = ("lru", "lfu", "slru")  # cache/radix_tree.py
@@ -65,6 +68,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph; 256 on CUDA
     disable_cuda_graph: bool = False  # run every decode eagerly on CUDA
     load_format: str = "auto"  # "dummy": random weights from the model's config.json (benchmarks)
+    quantization: str = "none"  # "int8": weight-only int8 matmuls (CPU)
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
     stream_interval: int = 1  # send streamed tokens every N decode steps
@@ -133,6 +137,10 @@ class ServerArgs:
         if self.cuda_graph_max_bs is not None and (not isinstance(self.cuda_graph_max_bs, int)
                                                    or self.cuda_graph_max_bs < 0):
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_bs!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization != "none" and self.tp_size > 1:
+            raise ValueError("quantization: int8 weights are served by one rank (tp_size 1)")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0 <= self.max_pinned_fraction <= 1:

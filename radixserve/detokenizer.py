@@ -192,9 +192,9 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
     configure_logging("detokenizer", log_level)
     exit_on_sigterm("detokenizer")
     try:
-        from radixserve.tokenizer import load_tokenizer
+        from radixserve.tokenizer import load_decoder
 
-        loop = DetokenizerLoop(IncrementalDetokenizer(load_tokenizer(tokenizer_path)))
+        loop = DetokenizerLoop(IncrementalDetokenizer(load_decoder(tokenizer_path)))
         recv, send = open_pipeline_sockets(in_addr, out_addr)
     except Exception as e:  # reported to the launcher, which fails the start with it
         logger.exception("detokenizer failed to start")

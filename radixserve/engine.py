@@ -22,7 +22,6 @@ from radixserve.frontend.native_output import LogprobRequest, NativeOutput
 from radixserve.frontend.protocol import ApplyChatTemplateRequest
 from radixserve.frontend.tokenizer_manager import RequestError, SchedulingHints, TokenizerManager
 from radixserve.launcher import ProcessGroup
-from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 WATCHDOG_INTERVAL_S = 0.5
@@ -47,7 +46,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             info = self.procs.start()
-            self.tokenizer = load_tokenizer(info["tokenizer_path"])
+            self.tokenizer = self.procs.tokenizer
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
             self._thread.start()

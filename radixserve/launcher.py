@@ -13,10 +13,12 @@ import threading
 import time
 import types
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from radixserve.config import ServerArgs
+from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class ProcessGroup:
         self.paths = IpcPaths(tempfile.mkdtemp(prefix="radixserve-"))
         self.procs: dict[str, mp.Process] = {}
         self.info: dict[str, Any] = {}
+        self.tokenizer: Any = None  # the front end's, loaded by start()
         self._shutdown_lock = threading.Lock()  # a watchdog thread and the owner may both stop us
 
     def start(self) -> dict[str, Any]:
@@ -125,7 +128,13 @@ class ProcessGroup:
             with _user_main_hidden():
                 for proc in self.procs.values():
                     proc.start()
-            self.info = self._wait_ready({"scheduler": sched_r, "detokenizer": detok_r, **rank_pipes})["scheduler"]
+            # The front end's tokenizer loads while the processes start (transformers' import
+            # alone takes seconds): a thread, since the waiting below only polls pipes.
+            with ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenizer") as pool:
+                loading = pool.submit(load_tokenizer, tokenizer_path)
+                self.info = self._wait_ready({"scheduler": sched_r, "detokenizer": detok_r,
+                                              **rank_pipes})["scheduler"]
+                self.tokenizer = loading.result()
         except BaseException:
             self.shutdown()
             raise

@@ -12,8 +12,8 @@ from helpers.model_runner import ModelRunner
 from helpers.tiny_models import TINY_MODELS
 
 from radixserve.model import get_model_class
-from radixserve.model.config import RopeConfig
-from radixserve.model.loader import load_model
+from radixserve.model.config import ModelConfig, RopeConfig
+from radixserve.model.loader import load_model, read_config
 
 PROMPTS = [
     [1, 17, 99, 3, 250, 41, 8, 8, 120],
@@ -108,6 +108,26 @@ def test_model_config_fields(tiny_model_dir: Callable[[str], str]) -> None:
     assert loaded.tokenizer_path == tiny_model_dir("qwen3-hd128")
     with pytest.raises(AttributeError):
         cfg.vocab_size = 1  # frozen
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_saved_config_builds_what_transformers_config_builds(
+    name: str, tiny_model_dir: Callable[[str], str], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second read of a folder's config comes from the cache folder, without transformers,
+    and gives the same ModelConfig and architecture spec as transformers' own config."""
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    folder = tiny_model_dir(name)
+    first = read_config(folder)
+    assert isinstance(first, type(AutoConfig.from_pretrained(folder)))
+    saved = read_config(folder)
+    assert not isinstance(saved, type(first)) and len(list((tmp_path / "configs").iterdir())) == 1
+    expected = ModelConfig.from_hf(AutoConfig.from_pretrained(folder), torch.float32, folder)
+    assert ModelConfig.from_hf(saved, torch.float32, folder) == expected
+    cls = get_model_class(expected.architecture)
+    assert cls.arch_spec(saved) == cls.arch_spec(first)
 
 
 def test_rope_config_variants() -> None:

@@ -20,8 +20,14 @@ def create_backend(name: str) -> AttentionBackend:
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
     module_name, cls_name = _REGISTRY[name].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        raise ValueError(f"the {name} attention backend needs triton, which a CPU install leaves "
+                         "out: pip install 'radixserve[gpu]'") from e
+    return getattr(module, cls_name)()
 
 
 __all__ = ["AttentionBackend", "AttentionLayerInfo", "available_backends", "create_backend"]

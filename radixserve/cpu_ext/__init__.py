@@ -10,7 +10,8 @@ compiled by inductor for CPU) and ``torch.compile`` of the gather path were not 
 recompile per shape bucket and the mask must be rebuilt every step, and neither reads the
 pool through a per-token table.  The kernels (``paged_attention.cpp``, ``fused_ops.cpp``) are
 built with the system C++ compiler through ``torch.utils.cpp_extension`` the first time a CPU
-server starts (about 40 s), then loaded from the cache folder in milliseconds.  Where no
+server starts (about 25 s, shown on stderr as it happens; ``radixserve build-kernels`` builds
+them ahead of time), then loaded from the cache folder in milliseconds.  Where no
 compiler exists, :func:`load` returns None and the backend keeps its pure-torch path.
 
 The build is keyed by the source, the torch version and the CPU's flags: ``-march=native``
@@ -19,12 +20,16 @@ code never runs on a machine whose CPU lacks the instructions it was compiled fo
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -33,11 +38,15 @@ import torch
 log = logging.getLogger("radixserve")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+           for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_ops.cpp")]
 HEADERS = [Path(__file__).with_name("vec.h")]
 # -fopenmp: ``at::parallel_for`` is an OpenMP pragma in ATen's headers; without the flag it
 # compiles to a serial loop (torch's own libgomp is the runtime it links against at load time).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-fopenmp"]
+# A first build on the 2-core AVX2 machine of the benchmarks: 25 s (the three files compile in
+# parallel; each includes only the ATen headers it needs).
+BUILD_SECONDS = 25
+HEARTBEAT_S = 15
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -83,9 +92,6 @@ def _build() -> ModuleType | None:
 
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
-    fresh = not any(where.glob("*.so"))
-    if fresh:
-        log.info("compiling the CPU attention kernel once into %s (about a minute)", where)
     try:
         # torch's own build lock is a plain file that a killed build leaves behind, and every
         # later start would wait on it forever.  An flock is released by the OS however its
@@ -96,15 +102,47 @@ def _build() -> ModuleType | None:
             if stale.exists():
                 log.warning("removing the lock of an interrupted build in %s", where)
                 stale.unlink()
-            return cpp_extension.load(
-                name="radixserve_paged_attention",
-                sources=[str(p) for p in SOURCES],
-                extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(where),
-                verbose=False,
-            )
+            with _shown_if_compiling(where):
+                return cpp_extension.load(
+                    name="radixserve_paged_attention",
+                    sources=[str(p) for p in SOURCES],
+                    extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(where),
+                    verbose=False,
+                )
     except Exception as exc:  # no compiler, missing headers: serve on the torch path
         log.warning("CPU attention kernel unavailable (%s); using the torch gather path",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
         return None
+
+
+@contextlib.contextmanager
+def _shown_if_compiling(where: Path) -> Iterator[None]:
+    """On stderr, whatever the log level (a build looks like a hang otherwise): a line when a
+    build starts, one every ``HEARTBEAT_S`` while it runs, and its duration at the end."""
+    if any(where.glob("*.so")):
+        yield
+        return
+    started = time.monotonic()
+    done = threading.Event()
+    _say(f"compiling the CPU kernels once for this machine into {where} (about {BUILD_SECONDS} s; "
+         "`radixserve build-kernels` does it ahead of time)")
+
+    def heartbeat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            _say(f"still compiling the CPU kernels ({time.monotonic() - started:.0f} s)")
+
+    beat = threading.Thread(target=heartbeat, name="radixserve-kernel-build", daemon=True)
+    beat.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beat.join()
+    _say(f"CPU kernels compiled in {time.monotonic() - started:.0f} s")
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"radixserve: {text}\n")
+    sys.stderr.flush()

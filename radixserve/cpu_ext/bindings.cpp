@@ -1,18 +1,23 @@
 // The Python module of the CPU kernels (one shared library, built by cpu_ext/__init__.py).
 
-#include <torch/extension.h>
+// Only the tensor type and pybind11's casters for it: torch/extension.h (all of torch's C++
+// API) took 40 s of each file's compile.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                              torch::Tensor table, torch::Tensor job_row,
-                              torch::Tensor job_kv_begin, torch::Tensor job_entry_ptr,
-                              torch::Tensor entry_row, torch::Tensor entry_limit,
-                              torch::Tensor row_entry_ptr, torch::Tensor row_entries,
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                              at::Tensor table, at::Tensor job_row,
+                              at::Tensor job_kv_begin, at::Tensor job_entry_ptr,
+                              at::Tensor entry_row, at::Tensor entry_limit,
+                              at::Tensor row_entry_ptr, at::Tensor row_entries,
                               double scaling);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight,
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor weight,
                            double eps);
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_mul(torch::Tensor gate_up);
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale);
+void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over the KV pool");
@@ -20,4 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place), then RMSNorm of it");
   m.def("rotary_", &rotary_, "Rotate-half RoPE of [T, heads, D], in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
+  m.def("int8_linear", &int8_linear, "x [M, K] times int8 w [N, K] with per-row scales -> [M, N] float32");
+  m.def("int8_dequant_", &int8_dequant_, "out <- scale[:, None] * w (int8 [N, K]), in out's dtype");
 }

@@ -5,7 +5,10 @@
 // intermediate products in RoPE.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 #include <type_traits>
@@ -46,7 +49,7 @@ void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t h, float eps
   });
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected a contiguous [T, H] tensor");
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
               "weight must be [H] of the input's dtype");
@@ -54,10 +57,10 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, weight);
   auto w = weight.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                        x.size(0), x.size(1), static_cast<float>(eps));
@@ -65,14 +68,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight,
+at::Tensor add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor weight,
                            double eps) {
   check_rows(residual, weight);
   TORCH_CHECK(delta.sizes() == residual.sizes() && delta.scalar_type() == residual.scalar_type(),
               "delta must match the residual");
   auto d = delta.contiguous();
   auto w = weight.contiguous();
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm", [&] {
     scalar_t* r = residual.data_ptr<scalar_t>();
     const scalar_t* dp = d.data_ptr<scalar_t>();
@@ -88,7 +91,7 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
 
 // x: [T, heads, D] (rows of heads may be strided: a view into the fused q/k/v projection);
 // cos, sin: [T, D] (any float dtype, contiguous).  x <- x * cos + rotate_half(x) * sin.
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "rotary_: x must be [T, heads, D] with contiguous heads");
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() &&
@@ -118,11 +121,11 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "silu_mul: expected a contiguous [T, 2I] tensor");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gate_up.options());
+  auto out = at::empty({rows, inter}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* g = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();

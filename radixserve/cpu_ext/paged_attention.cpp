@@ -30,7 +30,10 @@
 //    64 requests over 4 x 1k shared prefixes 2.0 ms (4.1), one request over 1k keys 0.13 ms (0.45).
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include "vec.h"
 
@@ -781,11 +784,11 @@ void merge_rows(const float* part, const float* lse, const int64_t* row_entry_pt
 
 // q: [T, H, D]; k_pool, v_pool: [S, KV, D]; table: [R, C] int32; plan tensors int64 (see top).
 // Returns [T, H, D] in q's dtype.
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                              torch::Tensor table, torch::Tensor job_row,
-                              torch::Tensor job_kv_begin, torch::Tensor job_entry_ptr,
-                              torch::Tensor entry_row, torch::Tensor entry_limit,
-                              torch::Tensor row_entry_ptr, torch::Tensor row_entries,
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                              at::Tensor table, at::Tensor job_row,
+                              at::Tensor job_kv_begin, at::Tensor job_entry_ptr,
+                              at::Tensor entry_row, at::Tensor entry_limit,
+                              at::Tensor row_entry_ptr, at::Tensor row_entries,
                               double scaling) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q/k_pool/v_pool must be 3-D");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
@@ -809,14 +812,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   Plan plan{table.data_ptr<int32_t>(), table.stride(0), job_row.data_ptr<int64_t>(),
             job_kv_begin.data_ptr<int64_t>(), job_entry_ptr.data_ptr<int64_t>(),
             entry_row.data_ptr<int64_t>(), entry_limit.data_ptr<int64_t>()};
-  auto part = torch::empty({num_entries, num_heads, head_dim}, q.options().dtype(at::kFloat));
-  auto lse = torch::empty({num_entries, num_heads}, q.options().dtype(at::kFloat));
+  auto part = at::empty({num_entries, num_heads, head_dim}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({num_entries, num_heads}, q.options().dtype(at::kFloat));
   const float scale = static_cast<float>(scaling);
 
   // One element type for q and the pool (the model's dtype): every pair of types would be
   // instantiated otherwise, quadrupling the build for combinations the runtime never makes.
   auto qk = q.scalar_type() == k_pool.scalar_type() ? q : q.to(k_pool.scalar_type());
-  auto out = torch::empty_like(qk);
+  auto out = at::empty_like(qk);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_pool.scalar_type(), "paged_attention", [&] {
     using T = scalar_t;
     dispatch_dim<T, T>(head_dim, plan, num_jobs, qk.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(),

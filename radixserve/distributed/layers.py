@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.group import TensorParallel
+from radixserve.quantization import Int8Weight, linear
 
 
 class RowParallelLinear(nn.Module):
@@ -33,10 +34,12 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp_slices = {} if tp.size == 1 else {"weight": (1, start, end, in_features)}
 
+    quantizable = True  # radixserve/quantization.py may replace its weight by an Int8Weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -52,6 +55,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_slices = {} if tp.size == 1 else {"weight": (0, self.start, self.end, vocab_size)}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, Int8Weight):  # a tied LM head's table, quantized
+            return self.weight.embedding(input_ids)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
@@ -62,6 +67,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """The LM head's vocabulary rows ``[start, end)`` on this rank (untied models)."""
+
+    quantizable = True
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__()

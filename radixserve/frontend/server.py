@@ -40,7 +40,6 @@ from radixserve.frontend.tokenizer_manager import TokenizerManager
 from radixserve.launcher import ProcessGroup
 from radixserve.logging_utils import configure_logging
 from radixserve.threads import use_one_thread
-from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("radixserve.server")
 WATCHDOG_INTERVAL_S = 0.5
@@ -160,7 +159,7 @@ def run_server(args: ServerArgs) -> int:
     try:
         info = procs.start()
         use_one_thread()  # the children are started: the scheduler owns the cores
-        tokenizer = load_tokenizer(info["tokenizer_path"])
+        tokenizer = procs.tokenizer
         server: uvicorn.Server | None = None
 
         def on_dead(reason: str) -> None:

@@ -22,6 +22,7 @@ from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, fused_ops
+from radixserve.quantization import linear
 
 _ACTIVATIONS = {"silu": F.silu}
 # Profiler scope around each layer's attention backend call (bench/offline.py --breakdown).
@@ -192,7 +193,7 @@ class CausalLM(nn.Module):
         # Only the rows the sampler (and prompt logprobs) read go through the norm and LM head.
         rows = fb.logits_indices
         x = self.model.norm(residual.index_select(0, rows) + delta.index_select(0, rows))
-        return self.tp.gather_vocab(F.linear(x, self.lm_head_weight).float(), self.config.vocab_size)
+        return self.tp.gather_vocab(linear(x, self.lm_head_weight).float(), self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve import cpu_ext
 from radixserve.model.config import RopeConfig
+from radixserve.quantization import linear
 
 
 def fused_ops(x: torch.Tensor):  # noqa: ANN201 - the compiled module or None
@@ -65,8 +65,10 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.empty(start)) if bias else None
 
+    quantizable = True  # radixserve/quantization.py may replace its weight by an Int8Weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
         start, size = self.shard_offsets[shard]

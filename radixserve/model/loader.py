@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -15,6 +18,7 @@ from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.model import get_model_class
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder import CausalLM
+from radixserve.quantization import quantize_model
 
 
 @dataclass
@@ -22,7 +26,42 @@ class LoadedModel:
     model: CausalLM
     config: ModelConfig
     tokenizer_path: str  # folder usable by AutoTokenizer.from_pretrained
-    hf_config: Any  # the transformers config the model was built from
+    hf_config: Any  # the transformers config the model was built from (or its saved attributes)
+
+
+log = logging.getLogger("radixserve")
+
+
+def read_config(folder: str) -> Any:
+    """The folder's config as transformers resolves it (its defaults filled in), with its
+    attributes read by ``getattr``.  transformers' import takes seconds of every start, so the
+    resolved attributes are kept in the cache folder, keyed by the config.json bytes and the
+    transformers version, and later starts read them back without importing it."""
+    from importlib.metadata import version
+
+    from radixserve.model.gguf_convert import cache_root
+
+    with open(os.path.join(folder, "config.json"), "rb") as f:
+        raw = f.read()
+    key = hashlib.sha256(raw + version("transformers").encode()).hexdigest()[:20]
+    saved = os.path.join(cache_root(), "configs", f"{key}.json")
+    try:
+        with open(saved, "rb") as f:
+            return SimpleNamespace(**json.loads(f.read()))
+    except (OSError, ValueError):
+        pass
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(folder)
+    try:
+        os.makedirs(os.path.dirname(saved), exist_ok=True)
+        tmp = f"{saved}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(hf_config.to_dict(), f)
+        os.replace(tmp, saved)
+    except (OSError, TypeError, ValueError) as e:  # a read-only cache or an odd attribute: read it next time too
+        log.debug("could not keep the resolved config of %s: %s", folder, e)
+    return hf_config
 
 
 def resolve_model_path(model_path: str | None) -> str:
@@ -69,15 +108,14 @@ def iter_safetensors(folder: str, dtype: torch.dtype) -> Iterator[tuple[str, tor
 
 def load_model(
     model_path: str | None, dtype: torch.dtype, device: torch.device | str = "cpu",
-    tp: TensorParallel = SINGLE, load_format: str = "auto",
+    tp: TensorParallel = SINGLE, load_format: str = "auto", quantization: str = "none",
 ) -> LoadedModel:
     """Build the model for ``model_path`` (None = default model) with weights in ``dtype``;
     with ``tp``, only this rank's shard of them.  ``load_format="dummy"`` needs only the
-    folder's config.json: the weights are random (seeded), for benchmarks of a model's shape."""
-    from transformers import AutoConfig
-
+    folder's config.json: the weights are random (seeded), for benchmarks of a model's shape.
+    ``quantization``: one of :data:`radixserve.config.QUANTIZATIONS` (radixserve/quantization.py)."""
     folder = resolve_model_path(model_path)
-    hf_config = AutoConfig.from_pretrained(folder)
+    hf_config = read_config(folder)
     config = ModelConfig.from_hf(hf_config, dtype, folder)
     cls = get_model_class(config.architecture)
     with torch.device("meta"):  # no random init: every parameter is overwritten below
@@ -87,6 +125,7 @@ def load_model(
         random_weights(model)
     else:
         model.load_weights(iter_safetensors(folder, dtype))
+    quantize_model(model, quantization)
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer_path=folder, hf_config=hf_config)
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from radixserve.scheduler.request import FinishReason, Req
+from radixserve.tokenizer import DeferredTokenizer
 from radixserve.transfer import Upload, resolve
 
 logger = logging.getLogger(__name__)
@@ -43,16 +44,24 @@ class Constraints:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.jump_forward_enabled = jump_forward
-        self._tokenizer = tokenizer
+        self._tokenizer: Any | None = None
         self._compiler: Any = None
         self._bitmask: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
-        if backend != "none" and tokenizer is not None:
-            self.compiler  # noqa: B018 - set up at start, its token tables in the background
+        if tokenizer is not None:
+            self.attach_tokenizer(tokenizer)
         # Counters reported in the scheduler's stats.
         self.jump_forward_tokens = 0
         self.mask_seconds = 0.0
         self.mask_steps = 0
+
+    def attach_tokenizer(self, tokenizer: Any) -> None:
+        """The Hugging Face tokenizer grammars are compiled against, or a DeferredTokenizer
+        that loads it when the first grammar request comes (transformers' import takes seconds
+        of CPU that a start without grammars need not pay)."""
+        self._tokenizer = tokenizer
+        if self.backend != "none" and not isinstance(tokenizer, DeferredTokenizer):
+            self.compiler  # noqa: B018 - set up at start, its token tables in the background
 
     # ---- arrival -----------------------------------------------------------------------
     @property
@@ -60,6 +69,9 @@ class Constraints:
         if self._compiler is None:
             from radixserve.grammar import GrammarCompiler
 
+            if isinstance(self._tokenizer, DeferredTokenizer):
+                logger.info("loading the tokenizer for the first grammar request")
+                self._tokenizer = self._tokenizer.get()
             self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, self.eos_token_ids)
         return self._compiler
 

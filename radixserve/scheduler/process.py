@@ -170,7 +170,7 @@ def run_scheduler_process(
         from radixserve.distributed.worker import WorkerLink, rank_threads, share_setup
         from radixserve.model.loader import load_model
         from radixserve.scheduler.scheduler import Scheduler
-        from radixserve.tokenizer import load_tokenizer
+        from radixserve.tokenizer import DeferredTokenizer, load_decoder
 
         threads, threads_source = rank_threads(args.tp_size)
         torch.set_num_threads(threads)
@@ -179,9 +179,11 @@ def run_scheduler_process(
         if args.tp_size > 1:
             tp = init_group(0, args.tp_size, folder, rank_device(args.device, 0))
         loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp,
-                            load_format=args.load_format)
-        tokenizer = load_tokenizer(loaded.tokenizer_path)
-        sched = Scheduler(args, loaded.model, loaded.config, tokenizer)
+                            load_format=args.load_format, quantization=args.quantization)
+        sched = Scheduler(args, loaded.model, loaded.config, None)
+        # Stop strings only decode (the tokenizers library, milliseconds); grammars need the
+        # transformers tokenizer, whose import takes seconds: loaded for the first of them.
+        sched.attach_tokenizer(load_decoder(loaded.tokenizer_path), DeferredTokenizer(loaded.tokenizer_path))
         if tp.size > 1:
             sched.runner.link = WorkerLink(folder, tp.size)
             share_setup({"num_slots": sched.allocator.num_slots})

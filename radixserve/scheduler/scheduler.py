@@ -126,6 +126,12 @@ class Scheduler:
         self._aborted: list[Req] = []
         self._last_forward_s = 0.0
 
+    def attach_tokenizer(self, decoder: Any, tokenizer: Any) -> None:
+        """What was not there at construction: the ``decoder`` of stop strings (anything with
+        ``decode``) and the tokenizer of grammars (or a DeferredTokenizer)."""
+        self.stop_checker.tokenizer = decoder
+        self.constraints.attach_tokenizer(tokenizer)
+
     def _make_tiers(self, kv_pool: KVPool, model: torch.nn.Module) -> TierManager | None:
         """The host and disk KV tiers the settings ask for (None: neither)."""
         args = self.args
@@ -135,7 +141,7 @@ class Scheduler:
         if not host and not args.disk_cache_dir:
             return None
         identity = {"model": args.model or "default", "config": repr(self.model_config),
-                    "weights": weights_fingerprint(model)}
+                    "weights": weights_fingerprint(model), "quantization": args.quantization}
         tiers = TierManager(kv_pool, self.page_size, host, args.disk_cache_dir, args.disk_cache_size, identity)
         tiers.attach(self.tree)
         return tiers
@@ -153,6 +159,7 @@ class Scheduler:
             "device": self.args.device,
             "attention_backend": self.args.attention_backend,
             "tp_size": self.args.tp_size,
+            "quantization": self.args.quantization,
         }
 
     def add_request(self, msg: GenerateReq) -> ErrorOut | None:

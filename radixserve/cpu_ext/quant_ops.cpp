@@ -1,0 +1,137 @@
+// Weight-only int8 matmul for the few rows of a decode step: y[m][n] = sum_k x[m][k] * w[n][k] *
+// scale[n][k / GROUP], with w int8 (a scale per GROUP weights of a row) converted to float in
+// registers, so a step reads about a quarter of a float32 weight's bytes.  Rows of x are taken MT at a time and output
+// rows NB at a time, so each weight vector loaded feeds MT products and each x vector NB.
+// Many rows (a prefill) go another way (radixserve/model/quant.py): the weight is dequantized
+// once per call and multiplied by torch's own float matmul, which this loop cannot beat there.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "vec.h"
+
+namespace {
+
+typedef int8_t vb __attribute__((vector_size(W)));
+
+constexpr int NB = 4;  // output rows per pass
+constexpr int MT = 2;  // input rows per pass
+constexpr int GROUP = 64;  // weights per scale along K (radixserve/quantization.py: GROUP)
+
+// W int8 -> W floats: sign extension and conversion (a direct vector conversion of int8 lanes is
+// lowered to byte-wise scalar moves by GCC).
+inline vf load_int8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vb b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
+}
+
+// Input rows [m, m + MT) times output rows [n, n + nb) (nb <= NB; the rows past nb repeat the
+// last one and are not written); x is float [M][K]; each row of w has K / GROUP scales.
+template <int MT>
+inline void int8_tile(const float* x, const int8_t* w, const float* scale, float* y, int64_t K, int64_t N,
+                      int64_t m, int64_t n, int nb) {
+  const int64_t groups = K / GROUP;
+  const int8_t* wr[NB];
+  const float* sr[NB];
+  for (int i = 0; i < NB; ++i) {
+    wr[i] = w + (n + std::min(i, nb - 1)) * K;
+    sr[i] = scale + (n + std::min(i, nb - 1)) * groups;
+  }
+  vf acc[MT][NB] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    vf part[MT][NB] = {};
+    for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += W) {
+      vf wv[NB];
+      for (int i = 0; i < NB; ++i) wv[i] = load_int8(wr[i] + k);
+      for (int j = 0; j < MT; ++j) {
+        const vf xv = loadw(x + (m + j) * K + k);
+        for (int i = 0; i < NB; ++i) part[j][i] += xv * wv[i];
+      }
+    }
+    for (int i = 0; i < NB; ++i) {
+      const float sc = sr[i][g];
+      for (int j = 0; j < MT; ++j) acc[j][i] += part[j][i] * sc;
+    }
+  }
+  for (int j = 0; j < MT; ++j)
+    for (int i = 0; i < nb; ++i) {
+      float sum = 0.f;
+      for (int l = 0; l < W; ++l) sum += acc[j][i][l];
+      y[(m + j) * N + n + i] = sum;
+    }
+}
+
+// Output rows [n0, n1) of every input row.
+void int8_rows(const float* x, const int8_t* w, const float* scale, float* y, int64_t M, int64_t K,
+               int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += NB) {
+    const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
+    int64_t m = 0;
+    for (; m + MT <= M; m += MT) int8_tile<MT>(x, w, scale, y, K, N, m, n, nb);
+    for (; m < M; ++m) int8_tile<1>(x, w, scale, y, K, N, m, n, nb);
+  }
+}
+
+}  // namespace
+
+// x: [M, K] float32 / bfloat16 / float16; w: [N, K] int8; scale: [N, K / GROUP] float32.  Returns [M, N]
+// float32 (the caller casts to its dtype).
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: w must be contiguous int8");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % GROUP == 0, "int8_linear: K must be a multiple of ", GROUP);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * (K / GROUP),
+              "int8_linear: scale must be [N, K / ", GROUP, "] float32");
+  auto xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Chunks of output rows per task: a multiple of NB, enough of them to share the threads.
+  at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
+    int8_rows(xp, wp, sp, yp, M, K, N, b0 * NB, std::min(N, b1 * NB));
+  });
+  return y;
+}
+
+// out[n][k] = scale[n][k / GROUP] * w[n][k] in out's dtype (float32 / bfloat16 / float16): the weight of a
+// many-row matmul, written into a scratch buffer the caller keeps.
+void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor out) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && out.is_contiguous() &&
+                  out.sizes() == w.sizes() && scale.scalar_type() == at::kFloat &&
+                  w.size(1) % GROUP == 0 && scale.numel() == w.size(0) * (w.size(1) / GROUP),
+              "int8_dequant_: w [N, K] int8, scale [N, K / GROUP] float32, out [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int8_dequant_", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const int8_t* src = wp + n * K;
+        const float* sc = sp + n * (K / GROUP);
+        scalar_t* dst = op + n * K;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          for (int64_t k = 0; k < K; k += W)
+            storew(reinterpret_cast<float*>(dst) + k, load_int8(src + k) * sc[k / GROUP]);
+        } else {
+          for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<scalar_t>(static_cast<float>(src[k]) * sc[k / GROUP]);
+        }
+      }
+    });
+  });
+}

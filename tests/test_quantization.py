@@ -1,0 +1,119 @@
+"""Weight-only int8 (radixserve/quantization.py, cpu_ext/quant_ops.cpp): the C++ kernel and the
+dequantize path against the dequantized weight, the rounding bound, a quantized tiny model
+against its float twin, the settings' errors, and the default model through the Engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from helpers.model_runner import ModelRunner
+from helpers.tiny_models import TINY_MODELS
+
+from radixserve import cpu_ext
+from radixserve.config import ServerArgs
+from radixserve.model.loader import load_model
+from radixserve.quantization import GROUP, KERNEL_MAX_ROWS, Int8Weight, quantize_model
+
+OPS = cpu_ext.load()
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn((n, k), generator=gen) * 0.05
+    w[0, :GROUP] *= 40  # one group far larger than the rest: its own scale keeps the others fine
+    return w
+
+
+def test_rounding_is_within_half_a_step_of_each_group() -> None:
+    w = _weight(37, 3 * GROUP)
+    q = Int8Weight(w)
+    assert q.q.dtype == torch.int8 and q.scale.shape == (37, 3)
+    step = q.scale.repeat_interleave(GROUP, dim=1)
+    assert ((q.dequantized(torch.float32) - w).abs() <= step / 2 + 1e-7).all()
+    # a group's largest weight is exactly representable (scale = max / 127)
+    assert torch.equal(q.q.abs().view(37, 3, GROUP).amax(dim=2), torch.full((37, 3), 127, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("n, k", [(5, GROUP), (130, 9 * GROUP)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """Every output row (NB-row tails included) and input row (MT tails) of the C++ kernel."""
+    q = Int8Weight(_weight(n, k, seed=rows))
+    x = torch.randn((rows, k), generator=torch.Generator().manual_seed(7)).to(dtype)
+    ref = x.float() @ q.dequantized(torch.float32).T
+    out = OPS.int8_linear(x, q.q, q.scale)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q.matmul(x).float(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_dequantize_into_the_shared_buffer(dtype: torch.dtype) -> None:
+    q = Int8Weight(_weight(70, 2 * GROUP).to(dtype))
+    out = torch.empty((70, 2 * GROUP), dtype=dtype)
+    OPS.int8_dequant_(q.q, q.scale, out)
+    assert torch.equal(out, q.dequantized(dtype))
+    x = torch.randn((KERNEL_MAX_ROWS + 5, 2 * GROUP)).to(dtype)
+    torch.testing.assert_close(q.matmul(x), x @ q.dequantized(dtype).T)
+
+
+def test_kernel_rejects_bad_shapes() -> None:
+    q = Int8Weight(_weight(4, GROUP))
+    with pytest.raises(RuntimeError, match="scale must be"):
+        OPS.int8_linear(torch.randn(1, GROUP), q.q, q.scale[:, :0])
+    with pytest.raises(ValueError, match="divisible by 64"):
+        Int8Weight(torch.randn(4, 48))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3-hd128"])
+def test_quantized_tiny_model_follows_its_float_twin(name: str, tiny_model_dir: Callable[[str], str]) -> None:
+    """Every matmul weight replaced (a tied embedding too: it is the LM head), and
+    logits within a few percent of the float model's: prefill (dequantize path) and decode
+    (the kernel) rows alike."""
+    assert name in TINY_MODELS
+    folder = tiny_model_dir(name)
+    ref = load_model(folder, torch.float32).model
+    quant = load_model(folder, torch.float32, quantization="int8").model
+    left = [n for n, p in quant.named_parameters() if p.dim() == 2]
+    # no float matmul weight remains; an untied model's embedding table is only looked up
+    assert left == ([] if ref.lm_head is None else ["model.embed_tokens.weight"]), left
+    assert sum(isinstance(m.weight, Int8Weight) for m in quant.modules() if hasattr(m, "weight")) >= 8
+    prompts = [[1, 7, 9, 30, 4, 11, 60, 3] * 3, [5, 6, 200, 17]]
+    greedy_ref = ModelRunner(ref).greedy(prompts, 6)
+    runner = ModelRunner(quant)
+    assert runner.greedy(prompts, 6)[0][:2] == greedy_ref[0][:2]
+    # One prompt per forward: 24 rows (the dequantize path), then a single row (the kernel).
+    for rows in (prompts[0], prompts[1][:1]):
+        a = ModelRunner(ref).last_token_logits([rows])
+        b = ModelRunner(quant).last_token_logits([rows])
+        assert ((a - b).norm() / a.norm()).item() < 0.05
+
+
+def test_settings_name_the_field() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of none, int8"):
+        ServerArgs(quantization="int4").resolve()
+    with pytest.raises(ValueError, match="quantization: int8 weights are served by one rank"):
+        ServerArgs(quantization="int8", tp_size=2).resolve()
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quantize_model(torch.nn.Linear(64, 64), "fp4")
+
+
+def test_default_model_int8_through_the_engine(default_model_path: str) -> None:
+    """The real server processes with int8 weights: the same greedy opening as float32 on a
+    plain question, and the KV memory back to free afterwards."""
+    from radixserve.engine import Engine
+
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    params = {"max_new_tokens": 8, "temperature": 0}
+    outs = {}
+    for quant in ("none", "int8"):
+        with Engine(quantization=quant, max_total_tokens=4096) as engine:
+            outs[quant] = engine.generate(prompt, params)["output_ids"]
+            assert engine.info["quantization"] == quant
+            report = engine.check_memory()
+            assert report["ok"] and report["locked_tokens"] == 0 and report["request_pages"] == 0, report
+    assert outs["int8"] == outs["none"]
