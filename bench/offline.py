@@ -15,6 +15,8 @@ Configurations, each in every ``--dtypes`` entry, each with a fresh model:
   radix        radixserve, radix cache on (defaults: on a CPU the C++ kernels)
   radix-torch  radixserve, radix cache on, pure torch (``RADIXSERVE_CPU_KERNELS=0``: attention
                by SDPA over gathered K/V, unfused norms/RoPE/activation), the pre-kernel path
+  radix-sampled  radixserve, radix cache on, every request sampled (temperature 0.7, top_p 0.9,
+               seeded) instead of greedy: the sampler's cost beside the greedy run's
   no-radix     radixserve, ``disable_radix_cache=True``
   hf-static  transformers ``generate`` in static left-padded batches of ``--hf-batch``
 
@@ -75,7 +77,7 @@ from bench.workloads import (  # noqa: E402
     short_prompts,
 )
 
-CONFIGS = ("radix", "radix-torch", "no-radix", "hf-static")
+CONFIGS = ("radix", "radix-torch", "radix-sampled", "no-radix", "hf-static")
 WORKLOADS = ("shared-prefix", "multi-turn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Counters of SchedulerStats that add up over requests, so a warm-up can be subtracted.
@@ -119,10 +121,15 @@ def greedy_params(output_len: int) -> dict[str, Any]:
     return {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
 
 
-def engine_generate(engine: Any) -> Generate:
+# radix-sampled: the sampling a chat client sends (seeded, so a run repeats itself).
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 1234}
+
+
+def engine_generate(engine: Any, sampled: bool = False) -> Generate:
     """``generate(prompts, output_len)``: output ids of one batch submitted at once."""
     def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
-        return results_ids(engine.generate(input_ids=prompts, sampling_params=greedy_params(output_len)))
+        params = {**greedy_params(output_len), **(SAMPLED if sampled else {})}
+        return results_ids(engine.generate(input_ids=prompts, sampling_params=params))
 
     return generate
 
@@ -190,7 +197,7 @@ def run_radixserve(
         engine.generate(input_ids=WARMUP_TEXT_IDS, sampling_params=greedy_params(2))
         if not engine.flush_cache():
             raise RuntimeError("flush_cache refused after the warm-up")
-        generate = engine_generate(engine)
+        generate = engine_generate(engine, sampled=config == "radix-sampled")
         before = engine.get_stats()
         wall, outputs = run_turns(work, generate)
         stats = stats_delta(before, engine.get_stats())

@@ -40,6 +40,10 @@ def test_settings() -> None:
 def run(folder: str, graphs: bool, prompts: list[list[int]], **settings) -> tuple[dict, object]:
     sched = make_scheduler(folder, attention_backend="triton", page_size=4, max_total_tokens=2048,
                            device=DEVICE, cuda_graph_max_bs=0, **settings)
+    # A CPU pool starts as the OS maps it (slots are written before they are read); zeroed here
+    # so that comparing two pools finds any slot a padded row wrote besides slot 0.
+    for buf in sched.runner.kv_pool.k_buffers + sched.runner.kv_pool.v_buffers:
+        buf.zero_()
     if graphs:
         sched.runner.use_decode_graphs(8, sched.context_len)
     rids = [submit(sched, p, max_new_tokens=3 + 2 * i, ignore_eos=True) for i, p in enumerate(prompts)]

@@ -1,0 +1,198 @@
+"""Agent benchmark: one agent loop at batch 1, as a single agent runs against a local server.
+
+A system prompt of ``--system-len`` tokens (English text and a JSON tool list), then
+``--turns`` turns; each turn resends the history (system, earlier user messages and answers)
+with a new user message holding a tool result, and waits for an answer of ``--output-len``
+tokens (``ignore_eos``) before the next turn: one request at a time.  For each weight format in
+``--quantizations`` and each sampling mode in ``--modes`` (greedy; sampled: temperature 0.7,
+top_p 0.9), a fresh engine runs the loop and the table shows
+
+  ttft ms per turn   time to the first streamed token (turn 1: the whole prompt computed;
+                     later turns: only what the radix cache does not hold)
+  decode ms/token    (last token - first token) / (output tokens - 1), over all turns
+  floor ms/token     bytes of weights one decode step reads / this machine's memory bandwidth
+                     (a large tensor copy, read + write bytes / time, same run)
+  wall s             the whole loop
+
+and, for a weight format against float32 in the same mode, the share of identical output
+tokens per turn (greedy: positions where the two replies agree).
+
+    python bench/agent.py                           # float32 and int8, greedy and sampled
+    python bench/agent.py --quick                   # tiny smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from a source checkout
+    sys.path.insert(0, str(REPO))
+
+from bench.common import align_columns, args_params, cpu_kind, machine_info, write_report  # noqa: E402
+from bench.workloads import TokenStream  # noqa: E402
+
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}}
+    for name, desc, arg in (
+        ("read_file", "Read a file of the repository and return its text.", "path"),
+        ("search", "Search the repository for a regular expression; return matching lines.", "pattern"),
+        ("run_tests", "Run the test suite, or one test file, and return the summary.", "target"),
+        ("edit_file", "Replace a span of a file with new text; return the diff.", "patch"),
+    )
+]
+MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9, "seed": 7}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--system-len", type=int, default=1024, help="system prompt tokens (text + tools)")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--user-len", type=int, default=64, help="tokens of each turn's user message")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--quantizations", default="none,int8", help="comma list of --quantization values")
+    p.add_argument("--modes", default="greedy,sampled", help=f"comma list of {sorted(MODES)}")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (system 128, 2 turns, 8 out)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.system_len, args.turns, args.user_len, args.output_len = 128, 2, 16, 8
+    args.quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or not args.modes or not args.quantizations:
+        p.error(f"unknown or empty --modes {bad}; choose from {sorted(MODES)}")
+    if min(args.system_len, args.turns, args.user_len) < 1 or args.output_len < 2:
+        p.error("--system-len, --turns and --user-len must be >= 1, --output-len >= 2")
+    return args
+
+
+def memory_bandwidth_gbs() -> float:
+    """Read + write bytes of a 256 MB tensor copy per second, best of 5 (GB/s)."""
+    import torch
+
+    src = torch.ones(64 * 2**20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_step(model_path: str, dtype: str, quantization: str) -> int:
+    """Bytes of the matmul weights one decode step reads (the embedding row lookup aside)."""
+    import torch
+
+    from radixserve.model.loader import load_model
+    from radixserve.quantization import Int8Weight
+
+    model = load_model(model_path, getattr(torch, dtype), quantization=quantization).model
+    total = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, Int8Weight):
+            total += weight.nbytes
+        elif isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
+            is_table = module is model.model.embed_tokens
+            if not is_table or model.lm_head is None:  # a tied table is the LM head, read whole
+                total += weight.numel() * weight.element_size()
+    return total
+
+
+def conversation(tokenizer: Any, args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The system prompt (text then the tool list, ``--system-len`` tokens) and each turn's
+    user message (a tool result, ``--user-len`` tokens)."""
+    stream = TokenStream(tokenizer, args.seed)
+    tools = "\n\nTools:\n" + json.dumps(TOOLS, indent=1)
+    tool_len = len(tokenizer.encode(tools, add_special_tokens=False))
+    system = tokenizer.decode(stream.take(max(1, args.system_len - tool_len))) + tools
+    users = [f"Tool result {t + 1}:\n" + tokenizer.decode(stream.take(args.user_len)) for t in range(args.turns)]
+    return system, users
+
+
+def run_loop(engine: Any, system: str, users: list[str], params: dict[str, Any]) -> dict[str, Any]:
+    """One agent loop; per turn: TTFT, token times, output ids, cached tokens."""
+    messages = [{"role": "system", "content": system}]
+    turns = []
+    started = time.perf_counter()
+    for user in users:
+        messages.append({"role": "user", "content": user})
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        t0 = time.perf_counter()
+        stamps, ids, meta = [], [], {}
+        for piece in engine.generate(prompt, params, stream=True):  # each piece: the new ids
+            if piece["output_ids"]:
+                stamps.append(time.perf_counter() - t0)
+                ids += piece["output_ids"]
+            meta = piece["meta_info"]
+        turns.append({"ttft_s": stamps[0], "last_s": stamps[-1], "output_ids": list(ids),
+                      "prompt_tokens": meta.get("prompt_tokens"), "cached_tokens": meta.get("cached_tokens")})
+        messages.append({"role": "assistant", "content": engine.tokenizer.decode(ids, skip_special_tokens=True)})
+    return {"wall_s": time.perf_counter() - started, "turns": turns}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from radixserve.engine import Engine
+    from radixserve.model.default_model import default_model_path
+
+    model_path = default_model_path()
+    bandwidth = memory_bandwidth_gbs()
+    kind = cpu_kind()
+    print(f"cpu: {kind['cpu_model']} ({kind['cpu_kind']}); memory bandwidth {bandwidth:.1f} GB/s (copy)")
+    rows: list[dict[str, Any]] = []
+    for quant in args.quantizations:
+        step_bytes = weight_bytes_per_step(model_path, args.dtype, quant)
+        for mode in args.modes:
+            print(f"[{quant} {mode}] ...", flush=True)
+            params = {**MODES[mode], "max_new_tokens": args.output_len, "ignore_eos": True}
+            with Engine(dtype=args.dtype, quantization=quant) as engine:
+                system, users = conversation(engine.tokenizer, args)
+                engine.generate("warm-up", {"max_new_tokens": 2})
+                loop = run_loop(engine, system, users, params)
+            decode = [(t["last_s"] - t["ttft_s"]) / (len(t["output_ids"]) - 1) for t in loop["turns"]]
+            rows.append({
+                "quantization": quant, "mode": mode, "dtype": args.dtype, "wall_s": loop["wall_s"],
+                "ttft_ms": [1e3 * t["ttft_s"] for t in loop["turns"]],
+                "decode_ms_per_token": 1e3 * sum(decode) / len(decode),
+                "floor_ms_per_token": 1e3 * step_bytes / (bandwidth * 1e9),
+                "weight_bytes_per_step": step_bytes,
+                "cached_tokens": [t["cached_tokens"] for t in loop["turns"]],
+                "prompt_tokens": [t["prompt_tokens"] for t in loop["turns"]],
+                "output_ids": [t["output_ids"] for t in loop["turns"]],
+            })
+            print(f"[{quant} {mode}] {loop['wall_s']:.1f} s", flush=True)
+    reference = {r["mode"]: r for r in rows if r["quantization"] == "none"}
+    for r in rows:
+        ref = reference.get(r["mode"])
+        r["identical_vs_none"] = None if ref is None or ref is r else [
+            sum(a == b for a, b in zip(x, y, strict=True)) / len(x)
+            for x, y in zip(ref["output_ids"], r["output_ids"], strict=True)]
+    header = ["weights", "mode", "wall s", "ttft ms per turn", "decode ms/tok", "floor ms/tok", "decode/floor",
+              "identical vs none"]
+    lines = [header] + [[
+        r["quantization"], r["mode"], f"{r['wall_s']:.1f}", " ".join(f"{t:.0f}" for t in r["ttft_ms"]),
+        f"{r['decode_ms_per_token']:.1f}", f"{r['floor_ms_per_token']:.1f}",
+        f"{r['decode_ms_per_token'] / r['floor_ms_per_token']:.2f}x",
+        "-" if r["identical_vs_none"] is None else " ".join(f"{x:.0%}" for x in r["identical_vs_none"]),
+    ] for r in rows]
+    print()
+    print(align_columns(lines, left={0, 1, 3, 7}))
+    report = {"benchmark": "agent", "params": args_params(args), "machine": machine_info(),
+              "memory_bandwidth_gbs": bandwidth, "results": rows}
+    write_report(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()
