@@ -449,6 +449,21 @@ def test_large_vocab_distribution_matches_a_full_sort(logits, params):
     assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, (chi2, dof)
 
 
+def test_logprobs_read_back_beside_the_candidates_flag():
+    """Filtered rows add a flag column to the one read-back: the chosen logprobs and the top
+    logprobs are still the columns after it (a top-k row, a flat top-p row that reruns)."""
+    for params, logits in ((P(top_k=20, temperature=0.7), _PEAKED), (P(top_p=0.99), _FLAT)):
+        out = _draw([params, P(temperature=0)], torch.stack([logits, logits]),
+                    return_logprob=[True, True], top_logprobs_num=[3, 2])
+        logp = torch.log_softmax(logits, dim=-1)
+        for row, n in ((0, 3), (1, 2)):
+            tok = out.next_token_ids[row]
+            assert out.logprobs[row] == pytest.approx(float(logp[tok]), abs=1e-5)
+            values, ids = logp.topk(n)
+            assert [t for t, _ in out.top_logprobs[row]] == ids.tolist()
+            assert [v for _, v in out.top_logprobs[row]] == pytest.approx(values.tolist(), abs=1e-5)
+
+
 def test_a_rerun_for_a_flat_neighbour_leaves_other_rows_as_they_were():
     """A flat top-p row makes sample() run the batch again with every token a candidate; the
     peaked rows beside it draw what they draw without it."""

@@ -355,8 +355,8 @@ def sample(
     logprobs = top_logprobs = None
     col = 1 if uncovered is None else 2
     if want_logprob:
-        logprobs = host[:, 1].tolist()
-        col = 2
+        logprobs = host[:, col].tolist()
+        col += 1
     if top_k_max > 0:
         values_l, ids_l = host[:, col : col + k].tolist(), host[:, col + k : col + 2 * k].astype(np.int64).tolist()
         top_logprobs = [
