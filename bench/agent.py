@@ -15,7 +15,8 @@ top_p 0.9), a fresh engine runs the loop and the table shows
   wall s             the whole loop
 
 and, for a weight format against float32 in the same mode, the share of identical output
-tokens per turn (greedy: positions where the two replies agree).
+tokens per turn: positions where the two replies agree.  Only turn 1 compares like with like
+(later prompts hold each run's own earlier answers), and only greedy runs are comparable.
 
     python bench/agent.py                           # float32 and int8, greedy and sampled
     python bench/agent.py --quick                   # tiny smoke run
