@@ -25,6 +25,8 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with the input features ``[start, end)`` on this rank: each rank
     multiplies its columns, one all-reduce sums the parts, then the bias is added once."""
 
+    quantizable = True  # radixserve/quantization.py may replace its weight by an Int8Weight
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
                  part: tuple[int, int]) -> None:
         super().__init__()
@@ -33,8 +35,6 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, end - start))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp_slices = {} if tp.size == 1 else {"weight": (1, start, end, in_features)}
-
-    quantizable = True  # radixserve/quantization.py may replace its weight by an Int8Weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -52,6 +52,8 @@ class MergedLinear(nn.Module):
     copies one checkpoint tensor's kept rows into place.
     """
 
+    quantizable = True  # radixserve/quantization.py may replace its weight by an Int8Weight
+
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
                  parts: dict[str, tuple[int, int]] | None = None) -> None:
         super().__init__()
@@ -64,8 +66,6 @@ class MergedLinear(nn.Module):
             start += hi - lo
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.empty(start)) if bias else None
-
-    quantizable = True  # radixserve/quantization.py may replace its weight by an Int8Weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
