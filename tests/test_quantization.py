@@ -1,4 +1,4 @@
-"""Weight-only int8 (radixserve/quantization.py, cpu_ext/quant_ops.cpp): the C++ kernel and the
+"""Weight-only int8 (radixserve/quantization.py, cpu_ext/linear_ops.cpp): the C++ kernel and the
 dequantize path against the dequantized weight, the rounding bound, a quantized tiny model
 against its float twin, the settings' errors, and the default model through the Engine."""
 
@@ -14,7 +14,14 @@ from helpers.tiny_models import TINY_MODELS
 from radixserve import cpu_ext
 from radixserve.config import ServerArgs
 from radixserve.model.loader import load_model
-from radixserve.quantization import GROUP, KERNEL_MAX_ROWS, Int8Weight, quantize_model
+from radixserve.quantization import (
+    GROUP,
+    KERNEL_MAX_ROWS,
+    Int8Weight,
+    _float_kernel_fits,
+    linear,
+    quantize_model,
+)
 
 OPS = cpu_ext.load()
 
@@ -59,6 +66,19 @@ def test_many_rows_dequantize_into_the_shared_buffer(dtype: torch.dtype) -> None
     assert torch.equal(out, q.dequantized(dtype))
     x = torch.randn((KERNEL_MAX_ROWS + 5, 2 * GROUP)).to(dtype)
     torch.testing.assert_close(q.matmul(x), x @ q.dequantized(dtype).T)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("n, k", [(3, 16), (130, 576)])
+def test_float_kernel_equals_torch_linear(rows: int, n: int, k: int) -> None:
+    """The few-row float32 loop (every NB tail), and linear() with a bias through it where the
+    CPU's kernels take it (AVX2 builds)."""
+    gen = torch.Generator().manual_seed(rows * n)
+    w, x, b = torch.randn((n, k), generator=gen), torch.randn((rows, k), generator=gen), torch.randn(n, generator=gen)
+    torch.testing.assert_close(OPS.float_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4)  # sums of ~24
+    torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert _float_kernel_fits(x, w) == (OPS.vector_width() == 8)
+    assert not _float_kernel_fits(torch.randn((KERNEL_MAX_ROWS + 1, k)), w)  # many rows: torch's matmul
 
 
 def test_kernel_rejects_bad_shapes() -> None:

@@ -18,6 +18,8 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale);
 void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor out);
+at::Tensor float_linear(at::Tensor x, at::Tensor w);
+int64_t vector_width();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over the KV pool");
@@ -27,4 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
   m.def("int8_linear", &int8_linear, "x [M, K] times int8 w [N, K] with per-row scales -> [M, N] float32");
   m.def("int8_dequant_", &int8_dequant_, "out <- scale[:, None] * w (int8 [N, K]), in out's dtype");
+  m.def("float_linear", &float_linear, "x [M, K] times float32 w [N, K] -> [M, N] (few rows)");
+  m.def("vector_width", &vector_width, "float lanes of the kernels' vectors (8: AVX2, 16: AVX-512)");
 }
