@@ -4,8 +4,9 @@ A system prompt of ``--system-len`` tokens (English text and a JSON tool list), 
 ``--turns`` turns; each turn resends the history (system, earlier user messages and answers)
 with a new user message holding a tool result, and waits for an answer of ``--output-len``
 tokens (``ignore_eos``) before the next turn: one request at a time.  For each weight format in
-``--quantizations`` and each sampling mode in ``--modes`` (greedy; sampled: temperature 0.7,
-top_p 0.9), a fresh engine runs the loop and the table shows
+``--quantizations``, each sampling mode in ``--modes`` (greedy; sampled: temperature 0.7,
+top_p 0.9) and each ``--speculative`` setting (none; ngram: n-gram speculative decoding), a fresh
+engine runs the loop and the table shows
 
   ttft ms per turn   time to the first streamed token (turn 1: the whole prompt computed;
                      later turns: only what the radix cache does not hold)
@@ -13,12 +14,14 @@ top_p 0.9), a fresh engine runs the loop and the table shows
   floor ms/token     bytes of weights one decode step reads / this machine's memory bandwidth
                      (a large tensor copy, read + write bytes / time, same run)
   wall s             the whole loop
+  accept len         ngram: output tokens per verify step (SGLang's spec_accept_length)
 
-and, for a weight format against float32 in the same mode, the share of identical output
-tokens per turn: positions where the two replies agree.  Only turn 1 compares like with like
-(later prompts hold each run's own earlier answers), and only greedy runs are comparable.
+and, against float32 without speculation in the same mode, the share of identical output tokens
+per turn: positions where the two replies agree.  Where the replies differ, only turn 1 compares
+like with like (later prompts hold each run's own earlier answers).  Speculative decoding keeps
+the output: its rows read 100% (greedy, and sampled with a seed).
 
-    python bench/agent.py                           # float32 and int8, greedy and sampled
+    python bench/agent.py                           # float32 and int8, greedy and sampled, ngram or not
     python bench/agent.py --quick                   # tiny smoke run
 """
 
@@ -59,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--quantizations", default="none,int8", help="comma list of --quantization values")
     p.add_argument("--modes", default="greedy,sampled", help=f"comma list of {sorted(MODES)}")
+    p.add_argument("--speculative", default="none,ngram", help="comma list: none, ngram")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny smoke run (system 128, 2 turns, 8 out)")
@@ -68,9 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.system_len, args.turns, args.user_len, args.output_len = 128, 2, 16, 8
     args.quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.speculative = [m.strip() for m in args.speculative.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes or not args.quantizations:
         p.error(f"unknown or empty --modes {bad}; choose from {sorted(MODES)}")
+    if not args.speculative or set(args.speculative) - {"none", "ngram"}:
+        p.error(f"--speculative takes none and/or ngram, got {args.speculative}")
     if min(args.system_len, args.turns, args.user_len) < 1 or args.output_len < 2:
         p.error("--system-len, --turns and --user-len must be >= 1, --output-len >= 2")
     return args
@@ -142,6 +149,27 @@ def run_loop(engine: Any, system: str, users: list[str], params: dict[str, Any])
     return {"wall_s": time.perf_counter() - started, "turns": turns}
 
 
+def result_row(quant: str, mode: str, spec: str, dtype: str, loop: dict[str, Any], step_bytes: int,
+               bandwidth: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One table row: the loop's timings, the decode floor, and the drafts' acceptance."""
+    decode = [(t["last_s"] - t["ttft_s"]) / (len(t["output_ids"]) - 1) for t in loop["turns"]]
+    verifies = after.get("spec_verify_steps", 0) - before.get("spec_verify_steps", 0)
+    accepted = after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)
+    return {
+        "quantization": quant, "mode": mode, "speculative": spec, "dtype": dtype, "wall_s": loop["wall_s"],
+        "ttft_ms": [1e3 * t["ttft_s"] for t in loop["turns"]],
+        "decode_ms_per_token": 1e3 * sum(decode) / len(decode),
+        "floor_ms_per_token": 1e3 * step_bytes / (bandwidth * 1e9),
+        "weight_bytes_per_step": step_bytes,
+        "spec_accept_length": (verifies + accepted) / verifies if verifies else None,
+        "spec_draft_tokens": after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0),
+        "spec_accepted_tokens": accepted,
+        "cached_tokens": [t["cached_tokens"] for t in loop["turns"]],
+        "prompt_tokens": [t["prompt_tokens"] for t in loop["turns"]],
+        "output_ids": [t["output_ids"] for t in loop["turns"]],
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from radixserve.engine import Engine
@@ -155,40 +183,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for quant in args.quantizations:
         step_bytes = weight_bytes_per_step(model_path, args.dtype, quant)
         for mode in args.modes:
-            print(f"[{quant} {mode}] ...", flush=True)
-            params = {**MODES[mode], "max_new_tokens": args.output_len, "ignore_eos": True}
-            with Engine(dtype=args.dtype, quantization=quant) as engine:
-                system, users = conversation(engine.tokenizer, args)
-                engine.generate("warm-up", {"max_new_tokens": 2})
-                loop = run_loop(engine, system, users, params)
-            decode = [(t["last_s"] - t["ttft_s"]) / (len(t["output_ids"]) - 1) for t in loop["turns"]]
-            rows.append({
-                "quantization": quant, "mode": mode, "dtype": args.dtype, "wall_s": loop["wall_s"],
-                "ttft_ms": [1e3 * t["ttft_s"] for t in loop["turns"]],
-                "decode_ms_per_token": 1e3 * sum(decode) / len(decode),
-                "floor_ms_per_token": 1e3 * step_bytes / (bandwidth * 1e9),
-                "weight_bytes_per_step": step_bytes,
-                "cached_tokens": [t["cached_tokens"] for t in loop["turns"]],
-                "prompt_tokens": [t["prompt_tokens"] for t in loop["turns"]],
-                "output_ids": [t["output_ids"] for t in loop["turns"]],
-            })
-            print(f"[{quant} {mode}] {loop['wall_s']:.1f} s", flush=True)
-    reference = {r["mode"]: r for r in rows if r["quantization"] == "none"}
+            for spec in args.speculative:
+                name = f"[{quant} {mode} spec={spec}]"
+                print(f"{name} ...", flush=True)
+                params = {**MODES[mode], "max_new_tokens": args.output_len, "ignore_eos": True}
+                algorithm = None if spec == "none" else spec
+                with Engine(dtype=args.dtype, quantization=quant, speculative_algorithm=algorithm) as engine:
+                    system, users = conversation(engine.tokenizer, args)
+                    engine.generate("warm-up", {"max_new_tokens": 2})
+                    before = engine.get_stats()
+                    loop = run_loop(engine, system, users, params)
+                    after = engine.get_stats()
+                rows.append(result_row(quant, mode, spec, args.dtype, loop, step_bytes, bandwidth, before, after))
+                print(f"{name} {loop['wall_s']:.1f} s", flush=True)
+    reference = {r["mode"]: r for r in rows if r["quantization"] == "none" and r["speculative"] == "none"}
     for r in rows:
         ref = reference.get(r["mode"])
         r["identical_vs_none"] = None if ref is None or ref is r else [
             sum(a == b for a, b in zip(x, y, strict=True)) / len(x)
             for x, y in zip(ref["output_ids"], r["output_ids"], strict=True)]
-    header = ["weights", "mode", "wall s", "ttft ms per turn", "decode ms/tok", "floor ms/tok", "decode/floor",
-              "identical vs none"]
+    header = ["weights", "mode", "spec", "wall s", "ttft ms per turn", "decode ms/tok", "floor ms/tok",
+              "decode/floor", "accept len", "identical vs none"]
     lines = [header] + [[
-        r["quantization"], r["mode"], f"{r['wall_s']:.1f}", " ".join(f"{t:.0f}" for t in r["ttft_ms"]),
+        r["quantization"], r["mode"], r["speculative"], f"{r['wall_s']:.1f}", " ".join(f"{t:.0f}" for t in r["ttft_ms"]),
         f"{r['decode_ms_per_token']:.1f}", f"{r['floor_ms_per_token']:.1f}",
         f"{r['decode_ms_per_token'] / r['floor_ms_per_token']:.2f}x",
+        "-" if r["spec_accept_length"] is None else f"{r['spec_accept_length']:.2f}",
         "-" if r["identical_vs_none"] is None else " ".join(f"{x:.0%}" for x in r["identical_vs_none"]),
     ] for r in rows]
     print()
-    print(align_columns(lines, left={0, 1, 3, 7}))
+    print(align_columns(lines, left={0, 1, 2, 4, 9}))
     report = {"benchmark": "agent", "params": args_params(args), "machine": machine_info(),
               "memory_bandwidth_gbs": bandwidth, "results": rows}
     write_report(report, args.out)

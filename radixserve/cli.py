@@ -45,6 +45,13 @@ _HELP = {
     "disable_cuda_graph": "run every decode step eagerly on CUDA (no graph capture)",
     "quantization": "none, or int8: weight-only int8 matmuls with a scale per output channel (4x less "
                     "weight memory than float32; a CPU decode step reads that much less)",
+    "speculative_algorithm": "speculative decoding: ngram (drafts from the radix tree and the request's own "
+                             "prompt and output, verified in one extend; output unchanged), or unset (off)",
+    "speculative_num_draft_tokens": "tokens per speculative verify: the next token and N-1 drafts (default: 8)",
+    "speculative_ngram_min_match_window_size": "ngram: shortest suffix of the request matched against its text",
+    "speculative_ngram_max_match_window_size": "ngram: longest suffix matched (the longest match wins)",
+    "speculative_disable_by_batch_size": "no drafts in a step with more running requests than this "
+                                         "(default: 4 on CPU, 64 on GPU)",
     "load_format": "auto (the model's weights) or dummy (random weights from its config.json, for benchmarks)",
     "context_length": "longest sequence (default: the model's max_position_embeddings)",
     "random_seed": "seed of the seeds drawn for requests that give none",

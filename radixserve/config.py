@@ -19,6 +19,8 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 DEFAULT_MAX_RUNNING_REQUESTS = 128  # rows of the request-to-token table when unset
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
+SPECULATIVE_ALGORITHMS = ("ngram",)  # scheduler/speculative.py
+DEFAULT_SPECULATIVE_NUM_DRAFT_TOKENS = 8
 
 
 def cpu_bf16_feature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
@@ -69,6 +71,11 @@ class ServerArgs:
     disable_cuda_graph: bool = False  # run every decode eagerly on CUDA
     load_format: str = "auto"  # "dummy": random weights from the model's config.json (benchmarks)
     quantization: str = "none"  # "int8": weight-only int8 matmuls (CPU)
+    speculative_algorithm: str | None = None  # "ngram": drafts from the radix tree and the request's own text
+    speculative_num_draft_tokens: int | None = None  # tokens per verify: the next one and N-1 drafts; 8 with ngram
+    speculative_ngram_min_match_window_size: int = 1  # shortest suffix matched against the request's text
+    speculative_ngram_max_match_window_size: int = 12  # longest suffix matched
+    speculative_disable_by_batch_size: int | None = None  # no drafts while more run; 4 on CPU, 64 on GPU
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
     stream_interval: int = 1  # send streamed tokens every N decode steps
@@ -141,6 +148,21 @@ class ServerArgs:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization != "none" and self.tp_size > 1:
             raise ValueError("quantization: int8 weights are served by one rank (tp_size 1)")
+        if self.speculative_algorithm is not None and self.speculative_algorithm.lower() not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} "
+                             f"(or unset), got {self.speculative_algorithm!r}")
+        if self.speculative_num_draft_tokens is not None and (
+                not isinstance(self.speculative_num_draft_tokens, int) or self.speculative_num_draft_tokens < 2):
+            raise ValueError("speculative_num_draft_tokens must be an integer >= 2 (the next token and at least "
+                             f"one draft), got {self.speculative_num_draft_tokens!r}")
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError("speculative_ngram_min_match_window_size and speculative_ngram_max_match_window_size "
+                             f"must be integers with 1 <= min <= max, got {low!r} and {high!r}")
+        if self.speculative_disable_by_batch_size is not None and (
+                not isinstance(self.speculative_disable_by_batch_size, int) or self.speculative_disable_by_batch_size < 1):
+            raise ValueError("speculative_disable_by_batch_size must be a positive integer, "
+                             f"got {self.speculative_disable_by_batch_size!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0 <= self.max_pinned_fraction <= 1:
@@ -209,6 +231,11 @@ class ServerArgs:
             graph_bs = DEFAULT_CUDA_GRAPH_MAX_BS if on_gpu else 0
         if self.disable_cuda_graph or not on_gpu:
             graph_bs = 0  # CUDA graphs exist only on CUDA
+        algorithm = self.speculative_algorithm.lower() if self.speculative_algorithm else None
+        drafts, spec_bs = self.speculative_num_draft_tokens, self.speculative_disable_by_batch_size
+        if algorithm is not None:
+            drafts = drafts or DEFAULT_SPECULATIVE_NUM_DRAFT_TOKENS
+            spec_bs = spec_bs or (64 if on_gpu else 4)
         return dataclasses.replace(
             self,
             device=device,
@@ -217,6 +244,9 @@ class ServerArgs:
             page_size=page_size,
             chunked_prefill_size=chunk,
             cuda_graph_max_bs=graph_bs,
+            speculative_algorithm=algorithm,
+            speculative_num_draft_tokens=drafts,
+            speculative_disable_by_batch_size=spec_bs,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Smoke test of bench/agent.py (one agent loop at batch 1, float32 and int8 weights): the
-report's shape and the arithmetic between its numbers; no timing assertion."""
+"""Smoke test of bench/agent.py (one agent loop at batch 1, float32 and int8 weights, n-gram
+speculative decoding or not): the report's shape and the arithmetic between its numbers; no
+timing assertion."""
 
 from __future__ import annotations
 
@@ -18,18 +19,26 @@ def test_quick_run_reports_every_weight_format_and_mode(tmp_path, default_model_
     out = tmp_path / "agent.json"
     report = agent.main(["--quick", "--out", str(out)])
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(report["results"]))
-    rows = {(r["quantization"], r["mode"]): r for r in report["results"]}
-    assert set(rows) == {(q, m) for q in ("none", "int8") for m in ("greedy", "sampled")}
+    rows = {(r["quantization"], r["mode"], r["speculative"]): r for r in report["results"]}
+    assert set(rows) == {(q, m, s) for q in ("none", "int8") for m in ("greedy", "sampled") for s in ("none", "ngram")}
     for r in rows.values():
         assert len(r["ttft_ms"]) == 2 and all(len(ids) == 8 for ids in r["output_ids"])
         # turn 2 resends turn 1's conversation: the system prompt at least comes from the cache
         assert r["cached_tokens"][1] >= 100 and r["prompt_tokens"][1] > r["prompt_tokens"][0]
         bandwidth = report["memory_bandwidth_gbs"] * 1e9
         assert abs(r["floor_ms_per_token"] - 1e3 * r["weight_bytes_per_step"] / bandwidth) < 1e-6
+        if r["speculative"] == "ngram":  # every verify step yields at least its one token
+            assert r["spec_accept_length"] >= 1.0
+        else:
+            assert r["spec_accept_length"] is None and r["spec_draft_tokens"] == 0
     # int8 weights are about a quarter of float32's bytes (a scale per 64 weights on top)
-    ratio = rows[("int8", "greedy")]["weight_bytes_per_step"] / rows[("none", "greedy")]["weight_bytes_per_step"]
+    ratio = rows[("int8", "greedy", "none")]["weight_bytes_per_step"] / rows[("none", "greedy", "none")]["weight_bytes_per_step"]
     assert 0.25 < ratio < 0.28
-    assert rows[("none", "greedy")]["identical_vs_none"] is None
-    assert len(rows[("int8", "greedy")]["identical_vs_none"]) == 2
+    assert rows[("none", "greedy", "none")]["identical_vs_none"] is None
+    assert len(rows[("int8", "greedy", "none")]["identical_vs_none"]) == 2
+    # Speculative decoding keeps the output: greedy, and sampled with the loop's seed.
+    for mode in ("greedy", "sampled"):
+        assert rows[("none", mode, "ngram")]["identical_vs_none"] == [1.0, 1.0]
+        assert rows[("int8", mode, "ngram")]["output_ids"] == rows[("int8", mode, "none")]["output_ids"]
     table = capsys.readouterr().out
-    assert "decode ms/tok" in table and "floor ms/tok" in table
+    assert "decode ms/tok" in table and "accept len" in table

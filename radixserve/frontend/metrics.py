@@ -51,6 +51,23 @@ class _SchedulerCollector(Collector):
         for name, value, doc in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield from self._tiers(s)
+        yield from self._speculative(s)
+
+    @staticmethod
+    def _speculative(s: dict[str, Any]) -> Iterator[Any]:
+        """Speculative decoding, when the server has it (SGLang's spec_accept_length)."""
+        if "spec_verify_steps" not in s:
+            return
+        for name, key, doc in (
+            ("radixserve:spec_verify_steps", "spec_verify_steps", "request decode steps that verified drafts (or none)"),
+            ("radixserve:spec_draft_tokens", "spec_draft_tokens", "draft tokens proposed"),
+            ("radixserve:spec_accepted_tokens", "spec_accepted_tokens", "draft tokens accepted"),
+        ):
+            yield CounterMetricFamily(name, doc, value=s[key])
+        yield GaugeMetricFamily("radixserve:spec_accept_length", "tokens per verify step since start",
+                                value=s["spec_accept_length"])
+        yield GaugeMetricFamily("radixserve:spec_accept_rate", "accepted / proposed draft tokens since start",
+                                value=s["spec_accept_rate"])
 
     @staticmethod
     def _tiers(s: dict[str, Any]) -> Iterator[Any]:

@@ -151,6 +151,7 @@ async def server_info(request: Request) -> JSONBytesResponse:
         "page_size": st.info.get("page_size", 1),
         "max_total_num_tokens": st.info.get("max_total_tokens"),
         "max_running_requests": st.info.get("max_running_requests"),
+        "speculative_algorithm": st.info.get("speculative_algorithm"),
         "server_args": args,
         "model_info": st.info,
         "stats": stats,

@@ -49,6 +49,34 @@ class RequestGrammar:
         if self._allowed_words is not None:
             bitmask[row] &= self._allowed_words
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts after the output so far (speculative
+        drafts); the matcher's state is left as it was."""
+        n = 0
+        for t in tokens:
+            if not self.matcher.accept_token(t):
+                break
+            n += 1
+            if self.matcher.is_terminated():  # a stop token: no mask after it (none needed)
+                self.matcher.rollback(1)
+                n -= 1
+                break
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def fill_draft_rows(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None:
+        """Masks of ``len(draft) + 1`` consecutive rows from ``row``: row ``row + j`` allows
+        what may follow the output and ``draft[:j]`` (drafts from :meth:`valid_prefix`); the
+        matcher's state is left as it was."""
+        for j, t in enumerate(draft):
+            self.fill(bitmask, row + j)
+            if not self.matcher.accept_token(t):
+                raise RuntimeError(f"grammar refused draft token {t} it accepted when drafted")
+        self.fill(bitmask, row + len(draft))
+        if draft:
+            self.matcher.rollback(len(draft))
+
     def jump_forward(self) -> list[int]:
         """Tokens of the text the grammar forces next (may be empty); not yet accepted.
 

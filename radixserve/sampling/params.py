@@ -332,5 +332,10 @@ class SamplingParams:
         return None
 
     @property
+    def has_penalties(self) -> bool:
+        """Sampling reads the output (and prompt) ids: repetition, frequency or presence penalty."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1

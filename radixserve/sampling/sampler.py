@@ -126,19 +126,24 @@ class SamplingBatch:
         prompt_ids: list[list[int]] | None,
         vocab_size: int,
         device: torch.device | str,
+        steps: list[int] | None = None,
     ) -> SamplingBatch:
         """``seeds[i]``: request i's seed (its own, or one drawn when it was created).
         ``output_ids`` / ``prompt_ids`` are read only for rows whose penalties are active;
-        ``len(output_ids[i])`` is the request's step."""
+        ``steps[i]``, the tokens row i's request has generated before it, defaults to
+        ``len(output_ids[i])``."""
         n = len(params)
         if (
             len(seeds) != n
             or len(output_ids) != n
             or (prompt_ids is not None and len(prompt_ids) != n)
+            or (steps is not None and len(steps) != n)
         ):
             raise ValueError(
-                "params, seeds, output_ids and prompt_ids must have one entry per request"
+                "params, seeds, output_ids, prompt_ids and steps must have one entry per request"
             )
+        if steps is None:
+            steps = [len(out) for out in output_ids]
 
         # Everything the batch indexes with goes to the device in one copy.
         upload = Upload(device)
@@ -152,8 +157,8 @@ class SamplingBatch:
         ).reshape(n, 6).T, np.float32)
         ints = upload.add(np.array(
             [
-                [to_int64(s), len(out), p.top_k if 0 < p.top_k < vocab_size else vocab_size]
-                for p, s, out in zip(params, seeds, output_ids, strict=True)
+                [to_int64(s), step, p.top_k if 0 < p.top_k < vocab_size else vocab_size]
+                for p, s, step in zip(params, seeds, steps, strict=True)
             ],
             dtype=np.int64,
         ).reshape(n, 3).T)

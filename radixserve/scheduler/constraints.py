@@ -111,30 +111,39 @@ class Constraints:
         return "ready"
 
     # ---- sampling ----------------------------------------------------------------------
-    def mask_logits(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        """Mask ``logits`` [B, V] (the sampling rows of ``reqs``) in place."""
-        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    def mask_logits(self, logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]] | None = None) -> None:
+        """Mask ``logits`` (the sampling rows of ``reqs``) in place.  A request with ``drafts[i]``
+        (k speculative tokens) owns ``k + 1`` consecutive rows; row ``j`` is masked as if
+        ``drafts[i][:j]`` followed its output."""
+        counts = [1 + len(drafts[i]) if drafts is not None else 1 for i in range(len(reqs))]
+        starts = np.cumsum([0] + counts[:-1]).tolist() if reqs else []
+        num_rows = sum(counts)
+        grammar_reqs = [i for i, r in enumerate(reqs) if r.grammar is not None]
         banned_rows: list[int] = []
         banned_cols: list[int] = []
         for i, r in enumerate(reqs):
-            if r.output_len < r.params.min_new_tokens:
-                stops = set(r.params.stop_token_ids)
-                if not r.params.ignore_eos:
-                    stops.update(self.eos_token_ids)
-                banned_rows += [i] * len(stops)
+            below = r.params.min_new_tokens - r.output_len  # rows still under min_new_tokens
+            if below <= 0:
+                continue
+            stops = set(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                stops.update(self.eos_token_ids)
+            for j in range(min(below, counts[i])):
+                banned_rows += [starts[i] + j] * len(stops)
                 banned_cols += sorted(stops)
-        if not grammar_rows and not banned_rows:
+        if not grammar_reqs and not banned_rows:
             return
         upload = Upload(logits.device)  # the masks' one copy to the device
         bitmask = banned = None
-        if grammar_rows:
+        if grammar_reqs:
             import xgrammar as xgr
 
             t0 = time.perf_counter()
-            host = self._bitmask_for(len(reqs))[: len(reqs)]
+            host = self._bitmask_for(num_rows)[:num_rows]
             host.fill_(-1)  # rows without a grammar: every token allowed
-            for i in grammar_rows:
-                reqs[i].grammar.fill(host, i)
+            for i in grammar_reqs:
+                draft = drafts[i] if drafts is not None else []
+                reqs[i].grammar.fill_draft_rows(host, starts[i], draft)
             bitmask = upload.add(host.numpy(), np.int32)
         if banned_rows:
             banned = (upload.add(banned_rows), upload.add(banned_cols))

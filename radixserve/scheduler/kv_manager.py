@@ -176,6 +176,17 @@ class KVManager:
         self.req_pool.write_runs(rows, starts, counts, slots)
         return True
 
+    def trim(self, req: Req) -> None:
+        """After a speculative verify: free the request's whole pages past ``fill_len``.
+
+        Row ``[keep, allocated_len)``, ``keep`` the end of the page holding ``fill_len - 1``:
+        slots of rejected drafts, freed; ``[computed_len, keep)`` stays allocated (the next
+        token's slot, and the rest of its page)."""
+        keep = max(self.pages_for(req.fill_len) * self.page_size, req.cached_len)
+        if req.allocated_len > keep:
+            self.allocator.free_slots(self.req_pool.read(req.row, keep, req.allocated_len))
+            req.allocated_len = keep
+
     # ---- giving KV to the tree ---------------------------------------------------------
     def _insert(self, req: Req) -> int:
         """Insert the computed tokens ``fill_ids[:computed_len]``; free our duplicates of tree pages.

@@ -99,21 +99,24 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, entries: list[tuple[Req, int]], sample_rows: list[int] | None = None) -> torch.Tensor:
-        """Float32 logits ``[len(sample_rows), vocab]`` at the last new token of the entries
-        ``sample_rows`` (all of them when None).
+    def forward(self, entries: list[tuple[Req, int]], sample_rows: list[int] | None = None,
+                drafts: dict[int, int] | None = None) -> torch.Tensor:
+        """Float32 logits at the last new token of the entries ``sample_rows`` (all of them
+        when None), in that order.  An entry with ``k = drafts[i]`` speculative draft tokens at
+        the end of its new tokens has ``k + 1`` rows instead: at the token before each draft,
+        then at the last one (``scheduler/speculative.py``).
 
         Requests that owe prompt logprobs get them from the same forward: the LM head also
         reads their prompt rows, and ``prompt_logprobs.record`` stores the result on them.
         """
         with torch.profiler.record_function(FORWARD_SCOPE):
             plan = prompt_logprobs.plan_rows(entries)
-            fb = self.build_batch(entries, None if plan is None else plan.rows)
             num_entries = len(entries)
+            rows = list(range(num_entries)) if sample_rows is None else sample_rows
+            extra, select = self._logit_rows(entries, rows, plan, drafts or {})
+            fb = self.build_batch(entries, extra)
             targets = None if plan is None else fb.upload.add(plan.targets)
-            select = None
-            if sample_rows is not None and len(sample_rows) != num_entries:
-                select = fb.upload.add(sample_rows)  # travels in the batch's upload
+            staged = None if select is None else fb.upload.add(select)  # travels in the batch's upload
             if self.graphs is not None and self.graphs.can_run(fb):
                 fb.send()  # the graph's plan is static: only the batch's arrays are needed
                 logits = self.graphs.replay(fb)
@@ -121,26 +124,51 @@ class ModelRunner:
                 self.backend.prepare(fb)
                 logits = self.model.forward(fb)
             if plan is not None:
-                # Rows [0, B): last new tokens (sampling); [B, B + E): the plan's rows, in plan order.
-                prompt_logprobs.record(plan, logits[num_entries:], resolve(targets))
-            if select is not None:
-                return logits.index_select(0, resolve(select))
+                # Rows [0, B): last new tokens; [B, B + E): the plan's rows, in plan order.
+                prompt_logprobs.record(plan, logits[num_entries : num_entries + plan.num_rows], resolve(targets))
+            if staged is not None:
+                return logits.index_select(0, resolve(staged))
             return logits[:num_entries]
 
+    @staticmethod
+    def _logit_rows(entries: list[tuple[Req, int]], rows: list[int], plan: prompt_logprobs.PromptLogprobPlan | None,
+                    drafts: dict[int, int]) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The batch's extra LM-head rows (token indices: prompt-logprob rows, then the rows
+        before each draft) and the logits rows to return (None: the first B, as they are)."""
+        extra = [] if plan is None else [plan.rows]
+        num_extra = 0 if plan is None else plan.num_rows
+        if not drafts:
+            select = None if len(rows) == len(entries) else np.asarray(rows, dtype=np.int64)
+            return (extra[0] if extra else None), select
+        ends = np.cumsum([n for _, n in entries])  # one past each entry's last token
+        select: list[int] = []
+        for i in rows:
+            k = drafts.get(i, 0)
+            if k:
+                # Entry tokens [n - 1 - k, n - 1): the last pending token and all drafts but the last.
+                extra.append(np.arange(ends[i] - 1 - k, ends[i] - 1, dtype=np.int64))
+                select += range(len(entries) + num_extra, len(entries) + num_extra + k)
+                num_extra += k
+            select.append(i)
+        return np.concatenate(extra), np.asarray(select, dtype=np.int64)
+
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]] | None = None) -> SampleOutput:
+        """One token per row of ``logits``: a request with ``drafts[i]`` (k tokens) owns ``k + 1``
+        consecutive rows, row ``j`` sampled as if ``drafts[i][:j]`` followed its output."""
         with torch.profiler.record_function(SAMPLING_SCOPE):
-            batch = SamplingBatch.build(
-                params=[r.params for r in reqs],
-                seeds=[r.seed for r in reqs],
-                output_ids=[r.output_ids for r in reqs],
-                prompt_ids=[r.prompt_ids for r in reqs],
-                vocab_size=self.vocab_size,
-                device=logits.device,
-            )
-            return sample(
-                logits,
-                batch,
-                return_logprob=[r.return_logprob for r in reqs],
-                top_logprobs_num=[r.top_logprobs_num for r in reqs],
-            )
+            params, seeds, outputs, prompts, steps, logprob, top_n = [], [], [], [], [], [], []
+            for i, r in enumerate(reqs):
+                draft = drafts[i] if drafts is not None else []
+                penalised = r.params.has_penalties
+                for j in range(len(draft) + 1):
+                    params.append(r.params)
+                    seeds.append(r.seed)
+                    prompts.append(r.prompt_ids)
+                    steps.append(r.output_len + j)
+                    outputs.append(r.output_ids + draft[:j] if penalised and j else r.output_ids)
+                    logprob.append(r.return_logprob)
+                    top_n.append(r.top_logprobs_num)
+            batch = SamplingBatch.build(params=params, seeds=seeds, output_ids=outputs, prompt_ids=prompts,
+                                        vocab_size=self.vocab_size, device=logits.device, steps=steps)
+            return sample(logits, batch, return_logprob=logprob, top_logprobs_num=top_n)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from radixserve.grammar import RequestGrammar
     from radixserve.sampling import SamplingParams
     from radixserve.scheduler.prompt_logprobs import PromptLogprobs
+    from radixserve.scheduler.speculative import SpecState
 
 
 class ReqState(enum.Enum):
@@ -119,6 +120,8 @@ class Req:
         # the request's matcher once it is compiled.
         self.grammar_future: Future | None = None
         self.grammar: RequestGrammar | None = None
+        # Speculative decoding (scheduler/speculative.py): this step's drafts and the counters.
+        self.spec: SpecState | None = None
 
     # ---- lengths -----------------------------------------------------------------------
     @property
@@ -137,16 +140,27 @@ class Req:
         """``fill_ids[start:end]`` as an int64 view (do not keep it across appends)."""
         return self._tokens[start : self.fill_len if end is None else end]
 
+    def _reserve(self, n: int) -> None:
+        """Room in the token buffer for ``n`` tokens."""
+        if n > len(self._tokens):
+            grown = np.empty(max(n, 2 * len(self._tokens)), dtype=np.int64)
+            grown[: self.fill_len] = self._tokens[: self.fill_len]
+            self._tokens = grown
+
     def append_output(self, token: int) -> None:
         n = self.fill_len
-        if n == len(self._tokens):
-            grown = np.empty(2 * n, dtype=np.int64)
-            grown[:n] = self._tokens
-            self._tokens = grown
+        self._reserve(n + 1)
         self._tokens[n] = token
         if not self.output_ids:
             self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
+
+    def stage_draft(self, draft: list[int]) -> None:
+        """Write speculative draft tokens after ``fill_ids`` (``tokens(fill_len, fill_len + k)``
+        reads them; they are not output until verified)."""
+        n = self.fill_len
+        self._reserve(n + len(draft))
+        self._tokens[n : n + len(draft)] = draft
 
     @property
     def remaining_extend(self) -> int:

@@ -18,7 +18,7 @@ from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.cache.tiers import TierManager
 from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
 from radixserve.messages import ErrorOut, GenerateReq, TokenOut
-from radixserve.sampling import SamplingParams
+from radixserve.sampling import SampleOutput, SamplingParams
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
 from radixserve.scheduler.constraints import Constraints
 from radixserve.scheduler.decode import reserve_decode_slots, retract
@@ -29,6 +29,7 @@ from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.profiling import StepProfiler
 from radixserve.scheduler.prompt_logprobs import PromptLogprobs, attach_prompt_logprobs
 from radixserve.scheduler.request import FinishReason, Req, ReqState
+from radixserve.scheduler.speculative import NgramSpeculator, num_drafts
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker
 from radixserve.validation import check_input_ids
@@ -112,6 +113,12 @@ class Scheduler:
             jump_forward=not args.disable_jump_forward,
         )
 
+        self.spec: NgramSpeculator | None = None
+        if args.speculative_algorithm == "ngram":
+            self.spec = NgramSpeculator(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
+                                        args.speculative_ngram_max_match_window_size,
+                                        args.speculative_disable_by_batch_size, use_tree=not args.disable_radix_cache)
+
         self.reqs: dict[str, Req] = {}
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -160,6 +167,7 @@ class Scheduler:
             "attention_backend": self.args.attention_backend,
             "tp_size": self.args.tp_size,
             "quantization": self.args.quantization,
+            "speculative_algorithm": self.args.speculative_algorithm,
         }
 
     def add_request(self, msg: GenerateReq) -> ErrorOut | None:
@@ -304,9 +312,12 @@ class Scheduler:
                 self.kv.prefetch(req)
 
         decodes = list(self.running)
-        plan = self._plan_prefill(len(decodes))
-        # A decode computes its sampled token, plus the text a grammar forced after it.
-        entries = [(r, r.remaining_extend) for r in decodes] + plan
+        drafted = self.spec.propose(decodes, self.kv, self.context_len) if self.spec is not None else 0
+        plan = self._plan_prefill(len(decodes) + drafted)
+        # A decode computes its sampled token, plus the text a grammar forced after it, plus
+        # its speculative drafts.
+        entries = [(r, r.remaining_extend + num_drafts(r)) for r in decodes] + plan
+        generated = self.stats.generation_tokens
         if entries:
             self._run_forward(entries, len(plan) > 0, finished)
             if decodes:
@@ -317,7 +328,8 @@ class Scheduler:
         out = self._collect_output(finished)
         if entries:
             step_s = time.perf_counter() - t_start
-            self.stats.record_step(len(entries), not plan, step_s, self._last_forward_s)
+            self.stats.record_step(len(entries), not plan, step_s, self._last_forward_s,
+                                   self.stats.generation_tokens - generated)
         return out
 
     def _preempt_for_priority(self) -> None:
@@ -384,28 +396,30 @@ class Scheduler:
         # Rows that sample: decodes, and prefills whose whole prompt is computed by this forward,
         # except prefill-only requests (max_new_tokens 0), which finish here with nothing
         # sampled: their prompt goes to the tree when they are released, like any finished
-        # request's.
-        done = [i for i, (r, n) in enumerate(entries) if r.computed_len + n == r.fill_len]
+        # request's.  A decode with k drafts samples k + 1 rows (scheduler/speculative.py).
+        done = [i for i, (r, n) in enumerate(entries) if r.computed_len + n == r.fill_len + num_drafts(r)]
         sample_idx = [i for i in done if entries[i][0].params.max_new_tokens > 0]
-        sample_logits = self.runner.forward(entries, sample_idx)
+        drafts = {i: k for i in sample_idx if (k := num_drafts(entries[i][0]))}
+        sample_logits = self.runner.forward(entries, sample_idx, drafts)
         for req, n in entries:
-            req.computed_len += n
+            req.computed_len += n - num_drafts(req)  # accepted drafts are added once verified
         for i in done:
             if entries[i][0].params.max_new_tokens == 0:
                 entries[i][0].finish_reason = FinishReason("length", length=0)
         sample_reqs = [entries[i][0] for i in sample_idx]
+        draft_lists = [r.spec.draft if r.spec is not None else [] for r in sample_reqs] if drafts else None
         out = None
         if sample_reqs:
             # Masked in place: the forward's rows of the sampling requests (nothing else reads
             # them after sampling).
             with torch.inference_mode():  # the logits are an inference tensor: masked in place
-                self.constraints.mask_logits(sample_logits, sample_reqs)
-            out = self.runner.sample(sample_logits, sample_reqs)
+                self.constraints.mask_logits(sample_logits, sample_reqs, draft_lists)
+            out = self.runner.sample(sample_logits, sample_reqs, draft_lists)
         self._last_forward_s = time.perf_counter() - t0
 
         num_decode = sum(1 for r, n in entries if r.state == ReqState.RUNNING)
         self.stats.decode_tokens += num_decode
-        self.stats.lm_head_rows += len(entries)
+        self.stats.lm_head_rows += len(entries) + sum(drafts.values())
         self.stats.prefill_tokens_computed += sum(
             n for r, n in entries if r.state == ReqState.PREFILLING
         )
@@ -415,17 +429,11 @@ class Scheduler:
                 self.stats.mixed_steps += 1
 
         if out is not None:
-            for j, req in enumerate(sample_reqs):
-                req.append_output(out.next_token_ids[j])
-                self.stats.generation_tokens += 1
-                if req.return_logprob and out.logprobs is not None:
-                    req.pending_logprobs.append(out.logprobs[j])
-                    req.pending_top_logprobs.append(
-                        [[t, lp] for t, lp in out.top_logprobs[j]] if out.top_logprobs else []
-                    )
-                req.finish_reason = self.stop_checker.check(req)
-                if req.grammar is not None and req.finish_reason is None:
-                    self._advance_grammar(req)
+            row = 0
+            for req in sample_reqs:
+                k = num_drafts(req)
+                self._take_sampled(req, out, row, k)
+                row += k + 1
 
         sampled = {id(r) for r in sample_reqs}
         for req, _ in entries:
@@ -446,12 +454,45 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req, finished)
 
-    def _advance_grammar(self, req: Req) -> None:
-        """Accept the sampled token; finish when the grammar is done, else append the text it
-        forces (computed by the next forward as part of this request's decode entry)."""
+    def _take_sampled(self, req: Req, out: SampleOutput, row: int, k: int) -> None:
+        """Append what the rows ``[row, row + k + 1)`` sampled for ``req``: without drafts its
+        one token; with k drafts the accepted ones and the token after them, up to a stop."""
+        tokens = out.next_token_ids[row : row + k + 1]
+        accepted = self.spec.accept(req, tokens) if self.spec is not None and req.spec is not None else 0
+        new = tokens[: accepted + 1] if k else tokens
+        taken = 0
+        for j, token in enumerate(new):
+            req.append_output(token)
+            taken += 1
+            self.stats.generation_tokens += 1
+            if req.return_logprob and out.logprobs is not None:
+                req.pending_logprobs.append(out.logprobs[row + j])
+                req.pending_top_logprobs.append(
+                    [[t, lp] for t, lp in out.top_logprobs[row + j]] if out.top_logprobs else []
+                )
+            req.finish_reason = self.stop_checker.check(req)
+            if req.grammar is not None and req.finish_reason is None:
+                # Text the grammar forces is appended after the last token only: the accepted
+                # drafts before it are tokens the grammar allowed.
+                self._advance_grammar(req, jump=j == len(new) - 1)
+            if req.finished:
+                break
+        if self.spec is not None and req.spec is not None and req.state == ReqState.RUNNING:
+            kept = min(taken, accepted)  # accepted drafts that became output: their KV is kept
+            req.computed_len += kept
+            self.spec.record(req, kept)
+            if not req.finished:
+                self.kv.trim(req)
+
+    def _advance_grammar(self, req: Req, jump: bool = True) -> None:
+        """Accept the sampled token; finish when the grammar is done, else (with ``jump``)
+        append the text it forces (computed by the next forward as part of this request's
+        decode entry)."""
         reason, forced = self.constraints.after_token(req)
         if reason is not None:
             req.finish_reason = reason
+            return
+        if not jump:
             return
         room = min(req.params.max_new_tokens - req.output_len, self.context_len - req.fill_len - 1)
         forced = forced[: max(0, room)]
@@ -510,6 +551,7 @@ class Scheduler:
                 | ({"pin": req.pin_result} if req.pin_result is not None else {})
                 | ({"cached_tokens_details": req.cached_by_tier} if req.cached_by_tier else {})
                 | ({"cache_report": self._cache_report(req)} if req.return_cache_report else {})
+                | (req.spec.meta(req.output_len) if req.spec is not None else {})
             )
             if req.sent_init:
                 out.init.append(None)
@@ -587,6 +629,8 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
         )
         d.update(self.constraints.stats())
+        if self.spec is not None:
+            d.update(self.spec.stats())
         if self.tiers is not None:
             d.update(self.tiers.to_dict(), host_tree_tokens=self.tree.host_size())
         return d

@@ -31,13 +31,15 @@ class SchedulerStats:
     decode_only_seconds: float = 0.0  # whole decode-only steps: decode speed without prefill
     decode_only_tokens: int = 0  # tokens those steps decoded
 
-    def record_step(self, batch_size: int, decode_only: bool, step_s: float, forward_s: float) -> None:
+    def record_step(self, batch_size: int, decode_only: bool, step_s: float, forward_s: float, tokens: int) -> None:
+        """One forward of ``batch_size`` entries that generated ``tokens`` (more than one per
+        entry with speculative drafts accepted)."""
         self.forward_steps += 1
         self.step_seconds += step_s
         self.forward_seconds += forward_s
         if decode_only:
             self.decode_only_seconds += step_s
-            self.decode_only_tokens += batch_size
+            self.decode_only_tokens += tokens
             bucket = str(1 << max(0, (batch_size - 1).bit_length()))
             entry = self.overhead_by_batch.setdefault(bucket, [0, 0.0])
             entry[0] += 1
