@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve import cpu_ext
-from radixserve.config import QUANTIZATIONS
+from radixserve.config import QUANTIZATIONS, cpu_bf16_feature
 
 log = logging.getLogger("radixserve")
 
@@ -90,11 +90,9 @@ def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a float or an int8 weight.  A float32 matmul of at most
-    ``KERNEL_MAX_ROWS`` rows goes through the C++ loop ``float_linear`` on a CPU whose kernels
-    were built for 8-float vectors (AVX2): there it streams the weights 1.6x faster than torch's
-    matmul at one row and 2.7x at 2-8 (cpu_ext/linear_ops.cpp); on AVX-512 it is unmeasured, so
-    torch's matmul stays."""
+    """``F.linear`` for a float or an int8 weight.  A float32 or bfloat16 matmul of a few rows
+    (``_kernel_rows``) goes through the C++ loop ``float_linear`` (cpu_ext/linear_ops.cpp), which
+    streams the weights faster than torch's matmul there; everything else is torch's."""
     if isinstance(weight, Int8Weight):
         y = weight.matmul(x)
     elif _float_kernel_fits(x, weight):
@@ -104,18 +102,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tenso
     return y if bias is None else y + bias
 
 
+@functools.cache
+def _kernel_rows(dtype: torch.dtype, width: int) -> range:
+    """Row counts where ``float_linear`` beat torch's matmul, one decode step of the default
+    model's weights (2 threads):
+    - float32, AVX2 (8-float vectors, Zen 3): 28.7 against 45.6 ms at 1 row, 50.7 against 85-90
+      ms at 8;
+    - float32, AVX-512 (Sapphire Rapids class): equal at 1 row (20.2 ms, the memory's rate),
+      torch ahead at 2-3, the loop at 4-8 (28.1 against 36.3 ms at 4, 33.6 against 47.7 at 8);
+    - bfloat16 with AVX-512 BF16 (the same CPU): 12.2 against 20.4 ms at 1 row, 18.9 against
+      21.7 at 4, torch (AMX) ahead from 6.  Without bfloat16 instructions torch emulates
+      bfloat16 (1.3 GFLOP/s on Zen 3) and the loop, which widens it to float32, takes 8 rows.
+    """
+    if dtype == torch.float32:
+        return range(1, KERNEL_MAX_ROWS + 1) if width == 8 else range(4, KERNEL_MAX_ROWS + 1)
+    if dtype == torch.bfloat16:
+        return range(1, 5) if cpu_bf16_feature() else range(1, KERNEL_MAX_ROWS + 1)
+    return range(0)
+
+
 def _float_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > KERNEL_MAX_ROWS or x.shape[1] % 16:
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] % 32 or x.dtype != weight.dtype:
         return False
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or not (x.is_contiguous() and weight.is_contiguous()):
+    if not (x.is_contiguous() and weight.is_contiguous()):
         return False
-    return _float_kernel() is not None
+    ops = _float_kernel()
+    return ops is not None and x.shape[0] in _kernel_rows(x.dtype, ops.vector_width())
 
 
 @functools.cache
 def _float_kernel():  # noqa: ANN202 - the compiled module or None
-    ops = cpu_ext.load()
-    return ops if ops is not None and ops.vector_width() == 8 else None
+    return cpu_ext.load()
 
 
 def quantize_model(model: nn.Module, mode: str) -> None:

@@ -12,13 +12,14 @@ from helpers.model_runner import ModelRunner
 from helpers.tiny_models import TINY_MODELS
 
 from radixserve import cpu_ext
-from radixserve.config import ServerArgs
+from radixserve.config import ServerArgs, cpu_bf16_feature
 from radixserve.model.loader import load_model
 from radixserve.quantization import (
     GROUP,
     KERNEL_MAX_ROWS,
     Int8Weight,
     _float_kernel_fits,
+    _kernel_rows,
     linear,
     quantize_model,
 )
@@ -69,16 +70,27 @@ def test_many_rows_dequantize_into_the_shared_buffer(dtype: torch.dtype) -> None
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, KERNEL_MAX_ROWS])
-@pytest.mark.parametrize("n, k", [(3, 16), (130, 576)])
-def test_float_kernel_equals_torch_linear(rows: int, n: int, k: int) -> None:
-    """The few-row float32 loop (every NB tail), and linear() with a bias through it where the
-    CPU's kernels take it (AVX2 builds)."""
+@pytest.mark.parametrize("n, k", [(3, 32), (130, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_kernel_equals_torch_linear(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """The few-row float32 / bfloat16 loop (every NB tail), and linear() with a bias through it
+    where this CPU's kernels take that many rows."""
     gen = torch.Generator().manual_seed(rows * n)
-    w, x, b = torch.randn((n, k), generator=gen), torch.randn((rows, k), generator=gen), torch.randn(n, generator=gen)
-    torch.testing.assert_close(OPS.float_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4)  # sums of ~24
-    torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    assert _float_kernel_fits(x, w) == (OPS.vector_width() == 8)
-    assert not _float_kernel_fits(torch.randn((KERNEL_MAX_ROWS + 1, k)), w)  # many rows: torch's matmul
+    w, x, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((n, k), (rows, k), (n,)))
+    ref = (x.double() @ w.double().T).to(dtype)  # sums of ~24 products, rounded once
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 4e-2}
+    torch.testing.assert_close(OPS.float_linear(x, w), ref, **tol)
+    torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), **tol)
+    assert _float_kernel_fits(x, w) == (rows in _kernel_rows(dtype, OPS.vector_width()))
+    assert not _float_kernel_fits(torch.randn((KERNEL_MAX_ROWS + 1, k)).to(dtype), w)  # many rows: torch's
+
+
+def test_kernel_rows_are_the_measured_ones() -> None:
+    assert list(_kernel_rows(torch.float32, 8)) == list(range(1, KERNEL_MAX_ROWS + 1))
+    assert list(_kernel_rows(torch.float32, 16)) == list(range(4, KERNEL_MAX_ROWS + 1))
+    assert list(_kernel_rows(torch.float16, 16)) == []
+    with_bf16 = list(_kernel_rows(torch.bfloat16, OPS.vector_width()))
+    assert with_bf16 == (list(range(1, 5)) if cpu_bf16_feature() else list(range(1, KERNEL_MAX_ROWS + 1)))
 
 
 def test_kernel_rejects_bad_shapes() -> None:

@@ -42,7 +42,11 @@ SOURCES = [Path(__file__).with_name(name)
 HEADERS = [Path(__file__).with_name("vec.h")]
 # -fopenmp: ``at::parallel_for`` is an OpenMP pragma in ATen's headers; without the flag it
 # compiles to a serial loop (torch's own libgomp is the runtime it links against at load time).
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-fopenmp"]
+# ``RADIXSERVE_CPU_MARCH`` builds for another ``-march`` target than this CPU (``haswell``: the
+# AVX2 code path, ``skylake-avx512``: AVX-512 without BF16), to test a path on a CPU that can run
+# it; the build folder is keyed by it.
+_FLAGS = ["-O3", f"-march={os.environ.get('RADIXSERVE_CPU_MARCH') or 'native'}", "-fno-math-errno", "-std=c++17",
+          "-fopenmp"]
 # A first build on the 2-core AVX2 machine of the benchmarks: 25 s (the three files compile in
 # parallel; each includes only the ATen headers it needs).
 BUILD_SECONDS = 25

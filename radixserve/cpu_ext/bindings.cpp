@@ -29,6 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
   m.def("int8_linear", &int8_linear, "x [M, K] times int8 w [N, K] with per-row scales -> [M, N] float32");
   m.def("int8_dequant_", &int8_dequant_, "out <- scale[:, None] * w (int8 [N, K]), in out's dtype");
-  m.def("float_linear", &float_linear, "x [M, K] times float32 w [N, K] -> [M, N] (few rows)");
+  m.def("float_linear", &float_linear, "x [M, K] times w [N, K], float32 or bfloat16 -> [M, N] (few rows)");
   m.def("vector_width", &vector_width, "float lanes of the kernels' vectors (8: AVX2, 16: AVX-512)");
 }
