@@ -54,22 +54,33 @@ TOOLS = [
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9, "seed": 7}}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_loop_args(p: argparse.ArgumentParser) -> None:
+    """The loop's shape (also bench/agent_http.py's)."""
     p.add_argument("--system-len", type=int, default=1024, help="system prompt tokens (text + tools)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--user-len", type=int, default=64, help="tokens of each turn's user message")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (system 128, 2 turns, 8 out)")
+
+
+def check_loop_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.quick:
+        args.system_len, args.turns, args.user_len, args.output_len = 128, 2, 16, 8
+    if min(args.system_len, args.turns, args.user_len) < 1 or args.output_len < 2:
+        p.error("--system-len, --turns and --user-len must be >= 1, --output-len >= 2")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_loop_args(p)
     p.add_argument("--quantizations", default="none,int8", help="comma list of --quantization values")
     p.add_argument("--modes", default="greedy,sampled", help=f"comma list of {sorted(MODES)}")
     p.add_argument("--speculative", default="none,ngram", help="comma list: none, ngram")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny smoke run (system 128, 2 turns, 8 out)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent.json")
     args = p.parse_args(argv)
-    if args.quick:
-        args.system_len, args.turns, args.user_len, args.output_len = 128, 2, 16, 8
+    check_loop_args(p, args)
     args.quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.speculative = [m.strip() for m in args.speculative.split(",") if m.strip()]
@@ -78,8 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown or empty --modes {bad}; choose from {sorted(MODES)}")
     if not args.speculative or set(args.speculative) - {"none", "ngram"}:
         p.error(f"--speculative takes none and/or ngram, got {args.speculative}")
-    if min(args.system_len, args.turns, args.user_len) < 1 or args.output_len < 2:
-        p.error("--system-len, --turns and --user-len must be >= 1, --output-len >= 2")
     return args
 
 

@@ -297,6 +297,41 @@ def test_kernel_plan_groups_and_entries() -> None:
     assert plan.row_entries.tolist() == [3, 0, 4, 1, 5, 2, 6]
 
 
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([1500], [1]), ([900], [8]), ([700, 2000], [1, 3]),
+                                                     ([513], [2]), ([2000, 30], [1, 1])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_cached_ranges_of_a_lone_decode_match_the_reference(prefix_lens, extend_lens, dtype) -> None:
+    """A batch of one or two requests reads each long cached range in SPLIT_PARTS jobs."""
+    from radixserve.attention import paged_plan
+
+    assert len(prefix_lens) <= paged_plan.SPLIT_MAX_REQUESTS
+    out, ref = _run_case(prefix_lens, extend_lens, 9, 3, dtype, seed=11, path="kernel")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_split_plan_reads_each_cached_range_in_parts() -> None:
+    from radixserve.attention.paged_plan import SPLIT_MIN_KEYS, SPLIT_PARTS, build_plan
+
+    sizes = []
+    for cached in (SPLIT_MIN_KEYS, 5000, 50000):
+        table = torch.arange(2 * (cached + 8), dtype=torch.int32).view(2, cached + 8)
+        plan = build_plan(table.numpy(), [0, 1], [cached, 40], [2, 1])
+        # Request 0: its own job over the 2 new tokens, then SPLIT_PARTS chunks of the cached
+        # ones, seen whole by both tokens; request 1 (short) is not split.
+        bounds = torch.linspace(0, cached, SPLIT_PARTS + 1).long().tolist()
+        assert plan.job_row.tolist() == [0, 1] + [0] * SPLIT_PARTS
+        assert plan.job_kv_begin.tolist() == [cached, 0] + bounds[:-1]
+        assert plan.entry_limit.tolist()[:3] == [cached + 1, cached + 2, 41]
+        assert plan.entry_limit.tolist()[3:] == [b for b in bounds[1:] for _ in range(2)]
+        # Each of request 0's tokens merges 1 + SPLIT_PARTS entries; request 1's token one.
+        assert plan.row_entry_ptr.tolist() == [0, 1 + SPLIT_PARTS, 2 + 2 * SPLIT_PARTS, 3 + 2 * SPLIT_PARTS]
+        sizes.append([t.numel() for t in plan.args()])
+    assert sizes[0] == sizes[1] == sizes[2]  # the plan does not grow with the cached context
+    unsplit = build_plan(table.numpy(), [0, 1], [SPLIT_MIN_KEYS - 1, 40], [2, 1])
+    assert unsplit.job_row.tolist() == [0, 1]
+
+
 def test_more_query_heads_per_kv_head_than_the_kernel_takes_falls_back() -> None:
     """40 query heads on one KV head (beyond the kernel's 32): the forward gathers instead."""
     out, ref = _run_case([30, 0], [1, 12], 40, 1, torch.float32, seed=9, path="kernel")

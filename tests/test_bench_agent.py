@@ -42,3 +42,17 @@ def test_quick_run_reports_every_weight_format_and_mode(tmp_path, default_model_
         assert rows[("int8", mode, "ngram")]["output_ids"] == rows[("int8", mode, "none")]["output_ids"]
     table = capsys.readouterr().out
     assert "decode ms/tok" in table and "accept len" in table
+
+
+def test_http_loop_reports_each_server(tmp_path) -> None:
+    """bench/agent_http.py against a real `radixserve serve` (llama-server is not installed here)."""
+    from bench import agent_http
+
+    out = tmp_path / "agent_http.json"
+    report = agent_http.main(["--quick", "--servers", "float32-ngram", "--out", str(out)])
+    (row,) = report["results"]
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(report["results"]))
+    assert row["server"] == "float32-ngram" and row["completion_tokens"] == [8, 8]
+    # the second turn resends the first: a longer prompt
+    assert row["prompt_tokens"][1] > row["prompt_tokens"][0] > 100
+    assert len(row["ttft_ms"]) == 2 and row["decode_ms_per_token"] > 0

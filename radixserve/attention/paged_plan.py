@@ -26,6 +26,14 @@ import torch
 # A shared job pays one extra partial output and merge per query row; below this many shared
 # tokens the own jobs read the prefix themselves.
 MIN_SHARED_TOKENS = 16
+# A lone agent's decode is one job per KV head: 3 tasks for 2 threads on the default model, one
+# thread idle a third of the time.  In a batch of at most SPLIT_MAX_REQUESTS requests, a cached
+# range of SPLIT_MIN_KEYS or more is read by SPLIT_PARTS jobs (merged like a shared job's).
+# Only decode rows (and a speculative verify's few): a prefill chunk has rows enough to share.
+SPLIT_MAX_REQUESTS = 2
+SPLIT_MAX_NEW_TOKENS = 8
+SPLIT_MIN_KEYS = 512
+SPLIT_PARTS = 4
 
 
 @dataclass
@@ -105,22 +113,46 @@ def build_plan(table: np.ndarray, rows: list[int], prefix_lens: list[int],
         num_entries += len(tokens)
 
     # Own jobs: one per request, its tokens in order; new token i sees [.., prefix_len + i].
+    # A batch of few requests splits each long cached range into SPLIT_PARTS jobs in front
+    # of it, which every new token of the request sees whole (entry limit = the chunk's end).
     own_first = num_entries
+    own_begin = shared_len.copy()
+    split = (pre - shared_len >= SPLIT_MIN_KEYS) & (ext <= SPLIT_MAX_NEW_TOKENS) & (len(rows) <= SPLIT_MAX_REQUESTS)
+    chunk_jobs: list[tuple[int, int, int]] = []  # (request, first key column, end)
+    for b in np.flatnonzero(split):
+        bounds = np.linspace(shared_len[b], pre[b], SPLIT_PARTS + 1).astype(np.int64)
+        own_begin[b] = pre[b]  # the own job keeps the new tokens (causal)
+        chunk_jobs += [(int(b), int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     job_row.extend(rows_np.tolist())
-    job_begin.extend(shared_len.tolist())
+    job_begin.extend(own_begin.tolist())
     job_sizes.extend(ext.tolist())
     positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(pre - starts, ext)
     entry_rows.append(np.arange(num_tokens, dtype=np.int64))
     entry_limits.append(positions + 1)
+    num_entries += num_tokens
+    chunk_entry_rows = []
+    for b, lo, hi in chunk_jobs:
+        tokens = np.arange(starts[b], starts[b] + ext[b], dtype=np.int64)
+        job_row.append(rows_np[b])
+        job_begin.append(lo)
+        job_sizes.append(len(tokens))
+        entry_rows.append(tokens)
+        entry_limits.append(np.full(len(tokens), hi, dtype=np.int64))
+        chunk_entry_rows.append(tokens)
+        num_entries += len(tokens)
 
-    # Each query row: its own entry, then its shared entry if it has one.
+    # Each query row's entries: its own entry, its chunks' entries, then its shared entry.
+    own = np.arange(own_first, own_first + num_tokens, dtype=np.int64)
+    chunk_ids = np.arange(own_first + num_tokens, num_entries, dtype=np.int64)
+    chunk_rows = np.concatenate(chunk_entry_rows) if chunk_entry_rows else np.zeros(0, dtype=np.int64)
     in_group = shared_entry_of_row >= 0
-    counts = 1 + in_group.astype(np.int64)
+    listed = np.concatenate([own, chunk_ids, shared_entry_of_row[in_group]])
+    listed_rows = np.concatenate([np.arange(num_tokens, dtype=np.int64), chunk_rows,
+                                  np.flatnonzero(in_group)])
+    order = np.argsort(listed_rows, kind="stable")
+    row_entries = listed[order]
     row_ptr = np.zeros(num_tokens + 1, dtype=np.int64)
-    np.cumsum(counts, out=row_ptr[1:])
-    row_entries = np.empty(int(row_ptr[-1]), dtype=np.int64)
-    row_entries[row_ptr[:-1]] = own_first + np.arange(num_tokens)
-    row_entries[row_ptr[:-1][in_group] + 1] = shared_entry_of_row[in_group]
+    np.cumsum(np.bincount(listed_rows, minlength=num_tokens), out=row_ptr[1:])
 
     job_ptr = np.zeros(len(job_sizes) + 1, dtype=np.int64)
     np.cumsum(job_sizes, out=job_ptr[1:])
