@@ -413,8 +413,9 @@ def _reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return out / out.sum()
 
 
-# A flat row keeps far more than sampler.CANDIDATES tokens under top-p / min-p (the rerun with
-# every token a candidate); a peaked one keeps a few (the candidate path alone).
+# A flat row keeps far more than sampler.CANDIDATES tokens under top-p / min-p (the rerun: with
+# this vocabulary of 3000, every token a candidate); a peaked one keeps a few (the candidate path
+# alone).
 _FLAT = torch.randn(3000, generator=torch.Generator().manual_seed(11)) * 0.3
 _PEAKED = torch.randn(3000, generator=torch.Generator().manual_seed(12)) * 3
 
@@ -465,14 +466,38 @@ def test_logprobs_read_back_beside_the_candidates_flag():
 
 
 def test_a_rerun_for_a_flat_neighbour_leaves_other_rows_as_they_were():
-    """A flat top-p row makes sample() run the batch again with every token a candidate; the
-    peaked rows beside it draw what they draw without it."""
+    """A flat top-p row makes sample() run the batch again with more candidates; the peaked rows
+    beside it draw what they draw without it."""
     assert int((_reference_probs(_FLAT, P(top_p=0.99)) > 0).sum()) > CANDIDATES
     peaked = [P(top_p=0.9), P(top_k=50, temperature=0.8), P(min_p=0.1), P(temperature=1.1)]
     logits = torch.stack([_PEAKED * (1 + 0.1 * i) for i in range(len(peaked))])
     alone = _draw(peaked, logits, seeds=[5, 6, 7, 8]).next_token_ids
     with_flat = _draw(peaked + [P(top_p=0.99)], torch.cat([logits, _FLAT[None]]), seeds=[5, 6, 7, 8, 9])
     assert with_flat.next_token_ids[:4] == alone
+
+
+def test_reruns_take_more_candidates_and_draw_what_every_candidate_draws(monkeypatch):
+    """A flat row whose top-p set outgrows CANDIDATES reruns with RERUN_CANDIDATES; one that
+    outgrows those too, with the whole vocabulary.  Each draws what a run with every token a
+    candidate draws for the same seeds."""
+    from radixserve.sampling import sampler
+
+    vocab = 20_000
+    rows = {scale: torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * scale
+            for scale in (5.0, 2.5, 1.0)}  # top-p 0.9 keeps 10, 1927 and 12168 tokens
+    sizes = {scale: int((_reference_probs(x, P(top_p=0.9)) > 0).sum()) for scale, x in rows.items()}
+    assert sizes[5.0] < CANDIDATES < sizes[2.5] < sampler.RERUN_CANDIDATES < sizes[1.0]
+    seen: list[int] = []
+    real = sampler._filtered_candidates
+    monkeypatch.setattr(sampler, "_filtered_candidates", lambda *a: seen.append(a[-1]) or real(*a))
+    for flat, passes in ((2.5, [CANDIDATES, sampler.RERUN_CANDIDATES]),
+                         (1.0, [CANDIDATES, sampler.RERUN_CANDIDATES, vocab])):
+        logits = torch.stack([rows[5.0], rows[flat]] * 4)
+        params = [P(top_p=0.9)] * 8
+        seen.clear()
+        ids = _draw(params, logits, seeds=list(range(8))).next_token_ids
+        assert seen == passes
+        assert ids == _draw(params, logits, seeds=list(range(8)), candidates=vocab).next_token_ids
 
 
 # ---------------------------------------------------------------- logprobs
