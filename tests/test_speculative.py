@@ -177,6 +177,23 @@ def test_a_repeated_prompt_drafts_from_the_tree(tiny_model_dir) -> None:
     assert after["spec_draft_tokens_from_tree"] - before["spec_draft_tokens_from_tree"] == meta["spec_num_proposed_drafts"]
 
 
+def test_triton_backend_verifies_drafts_as_the_torch_backend(tiny_model_dir) -> None:
+    """The GPU path's attention (Triton; its interpreter on a CPU) over verify extends of a
+    16-token page: the same tokens as the torch backend, drafts accepted from the tree."""
+    folder = tiny_model_dir("llama")
+    prompt = [random.Random(5).randrange(6, 256) for _ in range(20)]
+    outs = {}
+    for backend in ("torch", "triton"):
+        sched = make_scheduler(folder, attention_backend=backend, page_size=16, max_total_tokens=1024, **NGRAM)
+        assert sched.runner.backend.name == backend
+        outs[backend] = []
+        for _ in range(2):
+            rid = submit(sched, prompt, max_new_tokens=12, ignore_eos=True)
+            outs[backend].append(run_until_idle(sched, on_step=check_drafts_freed)[rid]["output_ids"])
+        assert sched.get_stats()["spec_accepted_tokens"] > 0  # the second run drafts from the first
+    assert outs["torch"] == outs["triton"] and outs["torch"][0] == outs["torch"][1]
+
+
 def test_no_drafts_above_the_batch_size_limit(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=2048, speculative_disable_by_batch_size=2, **NGRAM)
