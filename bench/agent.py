@@ -16,6 +16,10 @@ engine runs the loop and the table shows
   wall s             the whole loop
   accept len         ngram: output tokens per verify step (SGLang's spec_accept_length)
 
+``--workload edit`` makes every turn copy-heavy: its tool result is the source of a Python
+standard-library function (``read_file``), and the user asks for the file back with the
+function renamed -- the answer echoes the tool result, as an agent's edits do.
+
 and, against float32 without speculation in the same mode, the share of identical output tokens
 per turn: positions where the two replies agree.  Where the replies differ, only turn 1 compares
 like with like (later prompts hold each run's own earlier answers).  Speculative decoding keeps
@@ -23,6 +27,7 @@ the output: its rows read 100% (greedy, and sampled with a seed).
 
     python bench/agent.py                           # float32 and int8, greedy and sampled, ngram or not
     python bench/agent.py --quick                   # tiny smoke run
+    python bench/agent.py --workload edit --quantizations none   # copy-heavy turns
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ def add_loop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-len", type=int, default=64, help="tokens of each turn's user message")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=("agent", "edit"), default="agent",
+                   help="agent: tool results of English text; edit: tool results of code, echoed back")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (system 128, 2 turns, 8 out)")
 
 
@@ -126,13 +133,31 @@ def weight_bytes_per_step(model_path: str, dtype: str, quantization: str) -> int
     return total
 
 
+# Python functions whose source is an edit turn's tool result (short ones; one per turn).
+EDIT_SOURCES = ("textwrap.dedent", "statistics.median", "base64.b64encode", "colorsys.rgb_to_hsv",
+                "statistics.mode", "textwrap.indent", "shlex.quote", "calendar.isleap")
+
+
+def edit_turn(name: str) -> str:
+    import importlib
+    import inspect
+
+    module, func = name.rsplit(".", 1)
+    source = inspect.getsource(getattr(importlib.import_module(module), func))
+    return (f"Tool result (read_file {module}.py, lines of {func}):\n```python\n{source}```\n"
+            f"Return this code with `{func}` renamed to `{func}_v2` and nothing else changed.")
+
+
 def conversation(tokenizer: Any, args: argparse.Namespace) -> tuple[str, list[str]]:
     """The system prompt (text then the tool list, ``--system-len`` tokens) and each turn's
-    user message (a tool result, ``--user-len`` tokens)."""
+    user message: a tool result of ``--user-len`` tokens of text, or (``--workload edit``) a
+    function's source to echo back renamed."""
     stream = TokenStream(tokenizer, args.seed)
     tools = "\n\nTools:\n" + json.dumps(TOOLS, indent=1)
     tool_len = len(tokenizer.encode(tools, add_special_tokens=False))
     system = tokenizer.decode(stream.take(max(1, args.system_len - tool_len))) + tools
+    if args.workload == "edit":
+        return system, [edit_turn(EDIT_SOURCES[(args.seed + t) % len(EDIT_SOURCES)]) for t in range(args.turns)]
     users = [f"Tool result {t + 1}:\n" + tokenizer.decode(stream.take(args.user_len)) for t in range(args.turns)]
     return system, users
 

@@ -56,3 +56,18 @@ def test_http_loop_reports_each_server(tmp_path) -> None:
     # the second turn resends the first: a longer prompt
     assert row["prompt_tokens"][1] > row["prompt_tokens"][0] > 100
     assert len(row["ttft_ms"]) == 2 and row["decode_ms_per_token"] > 0
+
+
+def test_edit_workload_turns_carry_code_to_echo(default_model_path) -> None:
+    """--workload edit: each turn's tool result is a standard-library function's source, and the
+    user asks for it back renamed (copy-heavy turns for n-gram drafts)."""
+    import inspect
+    import textwrap
+
+    from radixserve.tokenizer import load_tokenizer
+
+    args = agent.parse_args(["--workload", "edit", "--turns", "3", "--system-len", "300"])
+    system, users = agent.conversation(load_tokenizer(default_model_path), args)
+    assert len(users) == 3 and "Tools:" in system
+    assert inspect.getsource(textwrap.dedent) in users[0] and "`dedent_v2`" in users[0]
+    assert len({u.splitlines()[0] for u in users}) == 3  # a different function each turn
