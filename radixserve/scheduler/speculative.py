@@ -165,6 +165,7 @@ class NgramSpeculator:
         if len(decodes) > self.disable_by_batch_size:
             return 0
         drafted: list[Req] = []
+        in_tree: set[int] = set()  # requests whose drafts the tree gave
         for req in decodes:
             room = min(self.max_drafts, req.params.max_new_tokens - req.output_len - 1,
                        context_len - req.fill_len - 1)
@@ -176,8 +177,9 @@ class NgramSpeculator:
             if draft:
                 req.spec.draft = draft
                 req.stage_draft(draft)
-                self.from_tree += len(draft) if tree else 0
                 drafted.append(req)
+                if tree:
+                    in_tree.add(id(req))
         # Slots for the drafts from free pages only; the latest admitted go without first.
         drafted.sort(key=lambda r: r.admit_seq)
         while drafted:
@@ -189,6 +191,7 @@ class NgramSpeculator:
             for req in drafted:
                 req.spec.draft = []
             return 0
+        self.from_tree += sum(len(r.spec.draft) for r in drafted if id(r) in in_tree)
         return sum(len(r.spec.draft) for r in drafted)
 
     def _find(self, req: Req, kv: KVManager, room: int) -> tuple[list[int], bool]:
