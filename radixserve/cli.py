@@ -43,8 +43,10 @@ _HELP = {
     "tp_size": "tensor parallelism: split the model over N processes (gloo on a CPU, NCCL over N GPUs)",
     "cuda_graph_max_bs": "largest decode batch replayed from a captured CUDA graph (default 256 on CUDA; 0: none)",
     "disable_cuda_graph": "run every decode step eagerly on CUDA (no graph capture)",
-    "quantization": "none, or int8: weight-only int8 matmuls with a scale per output channel (4x less "
-                    "weight memory than float32; a CPU decode step reads that much less)",
+    "quantization": "weight-only matmuls on a CPU: none; int8 (a scale per 64 weights, ~4x less weight "
+                    "memory than float32); int4 (blocks of 32, d*q+m, ~6x less); gguf (a .gguf model's "
+                    "Q4_0/Q4_1/Q8_0 tensors as stored: the weights float32 computes with); auto (gguf "
+                    "where the model has such tensors, else none)",
     "speculative_algorithm": "speculative decoding: ngram (drafts from the radix tree and the request's own "
                              "prompt and output, verified in one extend; output unchanged), or unset (off)",
     "speculative_num_draft_tokens": "tokens per speculative verify: the next token and N-1 drafts (default: 8)",

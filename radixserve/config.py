@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-# Weight formats of --quantization (radixserve/quantization.py).
-QUANTIZATIONS = ("none", "int8")
+# Weight formats of --quantization (radixserve/quantization/).
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")  # scheduler/policy.py
@@ -70,7 +70,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph; 256 on CUDA
     disable_cuda_graph: bool = False  # run every decode eagerly on CUDA
     load_format: str = "auto"  # "dummy": random weights from the model's config.json (benchmarks)
-    quantization: str = "none"  # "int8": weight-only int8 matmuls (CPU)
+    quantization: str = "none"  # int8, int4, gguf (a GGUF's own blocks) or auto: weight-only, CPU
     speculative_algorithm: str | None = None  # "ngram": drafts from the radix tree and the request's own text
     speculative_num_draft_tokens: int | None = None  # tokens per verify: the next one and N-1 drafts; 8 with ngram
     speculative_ngram_min_match_window_size: int = 1  # shortest suffix matched against the request's text
@@ -146,8 +146,8 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_bs!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization != "none" and self.tp_size > 1:
-            raise ValueError("quantization: int8 weights are served by one rank (tp_size 1)")
+        if self.quantization not in ("none", "auto") and self.tp_size > 1:
+            raise ValueError(f"quantization: {self.quantization} weights are served by one rank (tp_size 1)")
         if self.speculative_algorithm is not None and self.speculative_algorithm.lower() not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} "
                              f"(or unset), got {self.speculative_algorithm!r}")
@@ -236,10 +236,21 @@ class ServerArgs:
         if algorithm is not None:
             drafts = drafts or DEFAULT_SPECULATIVE_NUM_DRAFT_TOKENS
             spec_bs = spec_bs or (64 if on_gpu else 4)
+        from radixserve.quantization import resolve_quantization
+        from radixserve.quantization.gguf_blocks import gguf_source
+
+        # the blocks of the .gguf behind the model (random weights have none)
+        source = gguf_source(self.model) if self.quantization in ("auto", "gguf") and self.load_format != "dummy" else None
+        quantization = resolve_quantization(self.quantization, source, not on_gpu, self.tp_size)
+        if quantization == "gguf":
+            if source is None:
+                raise ValueError(f"quantization gguf serves a .gguf model's own blocks; {self.model!r} is not a "
+                                 ".gguf file (int8 or int4 quantize a float checkpoint)")
         return dataclasses.replace(
             self,
             device=device,
             dtype=dtype,
+            quantization=quantization,
             attention_backend=backend,
             page_size=page_size,
             chunked_prefill_size=chunk,

@@ -14,15 +14,8 @@ from helpers.tiny_models import TINY_MODELS
 from radixserve import cpu_ext
 from radixserve.config import ServerArgs, cpu_bf16_feature
 from radixserve.model.loader import load_model
-from radixserve.quantization import (
-    GROUP,
-    KERNEL_MAX_ROWS,
-    Int8Weight,
-    _float_kernel_fits,
-    _kernel_rows,
-    linear,
-    quantize_model,
-)
+from radixserve.quantization import GROUP, KERNEL_MAX_ROWS, Int8Weight, linear, quantize_model
+from radixserve.quantization.float_linear import _float_kernel_fits, _kernel_rows
 
 OPS = cpu_ext.load()
 
@@ -36,7 +29,7 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def test_rounding_is_within_half_a_step_of_each_group() -> None:
     w = _weight(37, 3 * GROUP)
-    q = Int8Weight(w)
+    q = Int8Weight.quantize(w)
     assert q.q.dtype == torch.int8 and q.scale.shape == (37, 3)
     step = q.scale.repeat_interleave(GROUP, dim=1)
     assert ((q.dequantized(torch.float32) - w).abs() <= step / 2 + 1e-7).all()
@@ -49,7 +42,7 @@ def test_rounding_is_within_half_a_step_of_each_group() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
     """Every output row (NB-row tails included) and input row (MT tails) of the C++ kernel."""
-    q = Int8Weight(_weight(n, k, seed=rows))
+    q = Int8Weight.quantize(_weight(n, k, seed=rows))
     x = torch.randn((rows, k), generator=torch.Generator().manual_seed(7)).to(dtype)
     ref = x.float() @ q.dequantized(torch.float32).T
     out = OPS.int8_linear(x, q.q, q.scale)
@@ -61,7 +54,7 @@ def test_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_dequantize_into_the_shared_buffer(dtype: torch.dtype) -> None:
-    q = Int8Weight(_weight(70, 2 * GROUP).to(dtype))
+    q = Int8Weight.quantize(_weight(70, 2 * GROUP).to(dtype))
     out = torch.empty((70, 2 * GROUP), dtype=dtype)
     OPS.int8_dequant_(q.q, q.scale, out)
     assert torch.equal(out, q.dequantized(dtype))
@@ -81,24 +74,29 @@ def test_float_kernel_equals_torch_linear(rows: int, n: int, k: int, dtype: torc
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 4e-2}
     torch.testing.assert_close(OPS.float_linear(x, w), ref, **tol)
     torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), **tol)
-    assert _float_kernel_fits(x, w) == (rows in _kernel_rows(dtype, OPS.vector_width()))
-    assert not _float_kernel_fits(torch.randn((KERNEL_MAX_ROWS + 1, k)).to(dtype), w)  # many rows: torch's
+    assert _float_kernel_fits(x, w) == (rows in _kernel_rows(dtype, OPS.vector_width(), cpu_bf16_feature()))
+    assert not _float_kernel_fits(torch.randn((64, k)).to(dtype), w)  # many rows: torch's
 
 
 def test_kernel_rows_are_the_measured_ones() -> None:
-    assert list(_kernel_rows(torch.float32, 8)) == list(range(1, KERNEL_MAX_ROWS + 1))
-    assert list(_kernel_rows(torch.float32, 16)) == list(range(4, KERNEL_MAX_ROWS + 1))
-    assert list(_kernel_rows(torch.float16, 16)) == []
-    with_bf16 = list(_kernel_rows(torch.bfloat16, OPS.vector_width()))
-    assert with_bf16 == (list(range(1, 5)) if cpu_bf16_feature() else list(range(1, KERNEL_MAX_ROWS + 1)))
+    """Per CPU kind: AVX2 (8 lanes), AVX-512 with AMX, AVX-512 (BF16) without AMX."""
+    for feature in (None, "AVX-512 BF16", "AMX"):
+        assert list(_kernel_rows(torch.float32, 8, feature)) == list(range(1, KERNEL_MAX_ROWS + 1))
+        assert list(_kernel_rows(torch.float16, 16, feature)) == []
+    assert list(_kernel_rows(torch.float32, 16, "AMX")) == list(range(4, KERNEL_MAX_ROWS + 1))
+    assert list(_kernel_rows(torch.float32, 16, "AVX-512 BF16")) == list(range(1, 33))
+    assert list(_kernel_rows(torch.float32, 16, None)) == list(range(1, 33))
+    assert list(_kernel_rows(torch.bfloat16, 16, "AMX")) == list(range(1, 5))
+    assert list(_kernel_rows(torch.bfloat16, 16, "AVX-512 BF16")) == list(range(1, 25))
+    assert list(_kernel_rows(torch.bfloat16, 8, None)) == list(range(1, KERNEL_MAX_ROWS + 1))
 
 
 def test_kernel_rejects_bad_shapes() -> None:
-    q = Int8Weight(_weight(4, GROUP))
+    q = Int8Weight.quantize(_weight(4, GROUP))
     with pytest.raises(RuntimeError, match="scale must be"):
         OPS.int8_linear(torch.randn(1, GROUP), q.q, q.scale[:, :0])
     with pytest.raises(ValueError, match="divisible by 64"):
-        Int8Weight(torch.randn(4, 48))
+        Int8Weight.quantize(torch.randn(4, 48))
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3-hd128"])
@@ -126,8 +124,8 @@ def test_quantized_tiny_model_follows_its_float_twin(name: str, tiny_model_dir: 
 
 
 def test_settings_name_the_field() -> None:
-    with pytest.raises(ValueError, match="quantization must be one of none, int8"):
-        ServerArgs(quantization="int4").resolve()
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, gguf, auto"):
+        ServerArgs(quantization="int2").resolve()
     with pytest.raises(ValueError, match="quantization: int8 weights are served by one rank"):
         ServerArgs(quantization="int8", tp_size=2).resolve()
     with pytest.raises(ValueError, match="quantization must be one of"):

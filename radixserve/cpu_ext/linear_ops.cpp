@@ -1,6 +1,6 @@
 // Matmuls of the few rows of a decode step, where a step reads every weight once and memory
-// bandwidth is the limit: float32 or bfloat16 weights (float_linear) and weight-only int8
-// (int8_linear).  Where each is used instead of torch's matmul: radixserve/quantization.py,
+// bandwidth is the limit: float32 or bfloat16 weights (float_linear), weight-only int8
+// (int8_linear) and 4-bit blocks (int4_linear).  Where each is used instead of torch's matmul: radixserve/quantization/,
 // _kernel_rows, with the measurements.
 //
 // Float32: torch's matmul read the default model's weights at 11.8 GB/s for one row and took
@@ -9,10 +9,15 @@
 // for 8).  Bfloat16 (2-core AVX-512 BF16 CPU): torch 13 GB/s at one row, this loop 22 GB/s.
 //
 // Int8: y[m][n] = sum_k x[m][k] * w[n][k] *
-// scale[n][k / GROUP], with w int8 (a scale per GROUP weights of a row) converted to float in
+// scale[n][k / group], with w int8 (a scale per group of weights of a row) converted to float in
 // registers, so a step reads about a quarter of a float32 weight's bytes.  Rows of x are taken MT at a time and output
 // rows NB at a time, so each weight vector loaded feeds MT products and each x vector NB.
-// Many rows (a prefill) go another way (radixserve/model/quant.py): the weight is dequantized
+//
+// 4-bit: blocks of 32 weights along K, w = d * q + m with q in [0, 15] and d, m float16 values
+// (llama.cpp's Q4_1; its Q4_0 is m = -8 d) kept as float32, so that a block's scale is one
+// broadcast load (a float16 conversion per block and output row cost a third of the time at one
+// row); 6 bits a weight, each block expanded to floats in registers.
+// Many rows (a prefill) go another way (radixserve/quantization/): the weight is dequantized
 // once per call and multiplied by torch's own float matmul, which this loop cannot beat there.
 
 #include <ATen/Dispatch.h>
@@ -31,7 +36,9 @@ typedef int8_t vb __attribute__((vector_size(W)));
 
 constexpr int NB = 4;  // output rows per pass
 constexpr int MT = 2;  // input rows per pass
-constexpr int GROUP = 64;  // weights per scale along K (radixserve/quantization.py: GROUP)
+// Weights per scale along K: 64 for --quantization int8, 32 for a GGUF Q8_0 tensor and for the
+// 4-bit blocks (radixserve/quantization/).  A group is a whole number of vectors.
+constexpr int BLOCK4 = 32;  // weights per 4-bit block: d and m in float16, 16 bytes of nibbles
 
 // W int8 -> W floats: sign extension and conversion (a direct vector conversion of int8 lanes is
 // lowered to byte-wise scalar moves by GCC).
@@ -54,11 +61,11 @@ inline float lane_sum(vf a) {
 }
 
 // Input rows [m, m + MT) times output rows [n, n + nb) (nb <= NB; the rows past nb repeat the
-// last one and are not written); x is float [M][K]; each row of w has K / GROUP scales.
+// last one and are not written); x is float [M][K]; each row of w has K / group scales.
 template <int MT>
 inline void int8_tile(const float* x, const int8_t* w, const float* scale, float* y, int64_t K, int64_t N,
-                      int64_t m, int64_t n, int nb) {
-  const int64_t groups = K / GROUP;
+                      int64_t group, int64_t m, int64_t n, int nb) {
+  const int64_t groups = K / group;
   const int8_t* wr[NB];
   const float* sr[NB];
   for (int i = 0; i < NB; ++i) {
@@ -68,7 +75,7 @@ inline void int8_tile(const float* x, const int8_t* w, const float* scale, float
   vf acc[MT][NB] = {};
   for (int64_t g = 0; g < groups; ++g) {
     vf part[MT][NB] = {};
-    for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += W) {
+    for (int64_t k = g * group; k < (g + 1) * group; k += W) {
       vf wv[NB];
       for (int i = 0; i < NB; ++i) wv[i] = load_int8(wr[i] + k);
       for (int j = 0; j < MT; ++j) {
@@ -87,12 +94,105 @@ inline void int8_tile(const float* x, const int8_t* w, const float* scale, float
 
 // Output rows [n0, n1) of every input row.
 void int8_rows(const float* x, const int8_t* w, const float* scale, float* y, int64_t M, int64_t K,
-               int64_t N, int64_t n0, int64_t n1) {
+               int64_t N, int64_t group, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
     int64_t m = 0;
-    for (; m + MT <= M; m += MT) int8_tile<MT>(x, w, scale, y, K, N, m, n, nb);
-    for (; m < M; ++m) int8_tile<1>(x, w, scale, y, K, N, m, n, nb);
+    for (; m + MT <= M; m += MT) int8_tile<MT>(x, w, scale, y, K, N, group, m, n, nb);
+    for (; m < M; ++m) int8_tile<1>(x, w, scale, y, K, N, group, m, n, nb);
+  }
+}
+
+// W consecutive weights of a 4-bit block, from byte p on: the low nibbles (weights [j, j + W) of
+// the block for bytes [j, j + W)) or the high ones (weights [j + 16, j + 16 + W)), as d * q + m.
+// d * q is exact in float32 (a float16 d times a 4-bit q), so the fused multiply-add rounds once,
+// as the float32 weight a GGUF loader dequantizes to: the matmul sees the same weights.
+template <bool HIGH>
+inline vf nibbles_as_weights(const uint8_t* p, vf d, vf m) {
+#if defined(__AVX512F__)
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b = HIGH ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15));
+  return (vf)_mm512_cvtepi32_ps(b) * d + m;
+#elif defined(__AVX2__)
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  b = HIGH ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(15));
+  return (vf)_mm256_cvtepi32_ps(b) * d + m;
+#else
+  vf q;
+  for (int l = 0; l < W; ++l) q[l] = static_cast<float>(HIGH ? p[l] >> 4 : p[l] & 15);
+  return q * d + m;
+#endif
+}
+
+// The c-th of the 32 / W weight vectors of a block (llama.cpp's Q4_1 layout: byte j holds weight j
+// in its low nibble and weight j + 16 in its high one).
+inline vf block4_vector(const uint8_t* qs, int c, vf d, vf m) {
+  constexpr int HALF = 16 / W;  // vectors per half block
+  return c < HALF ? nibbles_as_weights<false>(qs + c * W, d, m) : nibbles_as_weights<true>(qs + (c - HALF) * W, d, m);
+}
+
+// Input rows per pass of the 4-bit tile: each weight vector expanded is used by this many rows
+// (4 with 32 vector registers, 2 with 16: the accumulators stay in registers).
+#if defined(__AVX512F__)
+constexpr int MT4 = 4;
+#else
+constexpr int MT4 = 2;
+#endif
+
+// Input rows [m, m + MT) times output rows [n, n + nb) of a 4-bit weight: qs [N][K / 2] bytes,
+// d and mins [N][K / 32] float32.  One weight vector of NB rows at a time, expanded once for the
+// MT input rows.
+template <int MT>
+inline void int4_tile(const float* x, const uint8_t* qs, const float* d, const float* mins, float* y, int64_t K,
+                      int64_t N, int64_t m, int64_t n, int nb) {
+  constexpr int V = BLOCK4 / W;  // vectors per block
+  const int64_t blocks = K / BLOCK4;
+  int64_t row[NB];
+  for (int i = 0; i < NB; ++i) row[i] = n + std::min(i, nb - 1);
+  vf acc[MT][NB] = {};
+  for (int64_t g = 0; g < blocks; ++g) {
+    vf dv[NB], mv[NB];
+    for (int i = 0; i < NB; ++i) {
+      dv[i] = splat_as<vf>(d[row[i] * blocks + g]);
+      mv[i] = splat_as<vf>(mins[row[i] * blocks + g]);
+    }
+    for (int c = 0; c < V; ++c) {
+      vf wv[NB];
+      for (int i = 0; i < NB; ++i) wv[i] = block4_vector(qs + row[i] * (K / 2) + g * 16, c, dv[i], mv[i]);
+      for (int j = 0; j < MT; ++j) {
+        const vf xv = loadw(x + (m + j) * K + g * BLOCK4 + c * W);
+        for (int i = 0; i < NB; ++i) acc[j][i] += xv * wv[i];
+      }
+    }
+  }
+  for (int j = 0; j < MT; ++j)
+    for (int i = 0; i < nb; ++i) y[(m + j) * N + n + i] = lane_sum(acc[j][i]);
+}
+
+// Asks for the bytes [p, p + bytes) ahead of their use.
+inline void prefetch_range(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+void int4_rows(const float* x, const uint8_t* qs, const float* d, const float* mins, float* y, int64_t M,
+               int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / BLOCK4;
+  for (int64_t n = n0; n < n1; n += NB) {
+    const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
+    // The next tile's rows (contiguous after these): a tile's rows are short (K / 2 bytes of
+    // nibbles, K / 8 of scales), and the hardware prefetcher alone read them at half the rate
+    // of a float32 weight's long rows.
+    const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb);
+    if (ahead > 0) {
+      prefetch_range(qs + (n + nb) * (K / 2), ahead * (K / 2));
+      prefetch_range(d + (n + nb) * blocks, ahead * blocks * 4);
+      prefetch_range(mins + (n + nb) * blocks, ahead * blocks * 4);
+    }
+    int64_t m = 0;
+    for (; m + MT4 <= M; m += MT4) int4_tile<MT4>(x, qs, d, mins, y, K, N, m, n, nb);
+    for (; m + 2 <= M; m += 2) int4_tile<2>(x, qs, d, mins, y, K, N, m, n, nb);
+    for (; m < M; ++m) int4_tile<1>(x, qs, d, mins, y, K, N, m, n, nb);
   }
 }
 
@@ -172,6 +272,20 @@ void dot_linear(const typename D::T* x, const typename D::T* w, float* y, int64_
   });
 }
 
+// x as float32 rows and a float32 [M, N] result, ``rows(x, y, n0, n1)`` run over chunks of output
+// rows on the threads (a multiple of NB each, enough of them to share the threads).
+template <typename Rows>
+at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
+  auto xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
+    rows(xp, yp, b0 * NB, std::min(N, b1 * NB));
+  });
+  return y;
+}
+
 }  // namespace
 
 // x: [M, K], w: [N, K], both float32 or both bfloat16, contiguous, K a multiple of W (of 32 for
@@ -197,36 +311,32 @@ at::Tensor float_linear(at::Tensor x, at::Tensor w) {
 // The float lanes of the vectors the kernels were built with (8: AVX2, 16: AVX-512).
 int64_t vector_width() { return W; }
 
-// x: [M, K] float32 / bfloat16 / float16; w: [N, K] int8; scale: [N, K / GROUP] float32.  Returns [M, N]
+// x: [M, K] float32 / bfloat16 / float16; w: [N, K] int8; scale: [N, K / group] float32.  Returns [M, N]
 // float32 (the caller casts to its dtype).
 at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: w must be contiguous int8");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % GROUP == 0, "int8_linear: K must be a multiple of ", GROUP);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * (K / GROUP),
-              "int8_linear: scale must be [N, K / ", GROUP, "] float32");
-  auto xf = x.to(at::kFloat).contiguous();
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) > 0 && K % scale.size(1) == 0 &&
+                  (K / scale.size(1)) % W == 0 && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "int8_linear: scale must be [N, K / group] float32, the group a multiple of ", W);
+  const int64_t group = K / scale.size(1);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Chunks of output rows per task: a multiple of NB, enough of them to share the threads.
-  at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
-    int8_rows(xp, wp, sp, yp, M, K, N, b0 * NB, std::min(N, b1 * NB));
+  return few_row_matmul(x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1) {
+    int8_rows(xp, wp, sp, yp, M, K, N, group, n0, n1);
   });
-  return y;
 }
 
-// out[n][k] = scale[n][k / GROUP] * w[n][k] in out's dtype (float32 / bfloat16 / float16): the weight of a
+// out[n][k] = scale[n][k / group] * w[n][k] in out's dtype (float32 / bfloat16 / float16): the weight of a
 // many-row matmul, written into a scratch buffer the caller keeps.
 void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor out) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && out.is_contiguous() &&
-                  out.sizes() == w.sizes() && scale.scalar_type() == at::kFloat &&
-                  w.size(1) % GROUP == 0 && scale.numel() == w.size(0) * (w.size(1) / GROUP),
-              "int8_dequant_: w [N, K] int8, scale [N, K / GROUP] float32, out [N, K]");
-  const int64_t N = w.size(0), K = w.size(1);
+                  out.sizes() == w.sizes() && scale.scalar_type() == at::kFloat && scale.dim() == 2 &&
+                  scale.size(0) == w.size(0) && scale.size(1) > 0 && w.size(1) % scale.size(1) == 0 &&
+                  (w.size(1) / scale.size(1)) % W == 0,
+              "int8_dequant_: w [N, K] int8, scale [N, K / group] float32, out [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), group = K / scale.size(1);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int8_dequant_", [&] {
@@ -234,15 +344,74 @@ void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor out) {
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const int8_t* src = wp + n * K;
-        const float* sc = sp + n * (K / GROUP);
+        const float* sc = sp + n * (K / group);
         scalar_t* dst = op + n * K;
         if constexpr (std::is_same_v<scalar_t, float>) {
           for (int64_t k = 0; k < K; k += W)
-            storew(reinterpret_cast<float*>(dst) + k, load_int8(src + k) * sc[k / GROUP]);
+            storew(reinterpret_cast<float*>(dst) + k, load_int8(src + k) * sc[k / group]);
         } else {
-          for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<scalar_t>(static_cast<float>(src[k]) * sc[k / GROUP]);
+          for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<scalar_t>(static_cast<float>(src[k]) * sc[k / group]);
         }
       }
+    });
+  });
+}
+
+namespace {
+
+void check_int4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, int64_t K, const char* what) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() && K % BLOCK4 == 0 &&
+                  qs.size(1) * 2 == K,
+              what, ": qs must be [N, K / 2] uint8 and K a multiple of ", BLOCK4);
+  const int64_t N = qs.size(0);
+  for (const at::Tensor* t : {&d, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / BLOCK4,
+                what, ": d and m must be [N, K / ", BLOCK4, "] float32");
+}
+
+}  // namespace
+
+// x: [M, K] float32 / bfloat16 / float16; the weight [N, K] in 4-bit blocks of 32 (w = d * q + m):
+// qs [N, K / 2] uint8, d and mins [N, K / 32] float32 (float16 values).  Returns [M, N] float32.
+at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins) {
+  TORCH_CHECK(x.dim() == 2, "int4_linear: x [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  check_int4(qs, d, mins, K, "int4_linear");
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  return few_row_matmul(x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1) {
+    int4_rows(xp, qp, dp, mp, yp, M, K, N, n0, n1);
+  });
+}
+
+// out[n][k] = d * q + m of the 4-bit weight, in out's dtype (float32 / bfloat16 / float16).
+void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == qs.size(0), "int4_dequant_: out [N, K]");
+  const int64_t N = out.size(0), K = out.size(1);
+  check_int4(qs, d, mins, K, "int4_dequant_");
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  const int64_t blocks = K / BLOCK4;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int4_dequant_", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t g = 0; g < blocks; ++g) {
+          const vf dv = splat_as<vf>(dp[n * blocks + g]), mv = splat_as<vf>(mp[n * blocks + g]);
+          vf wv[BLOCK4 / W];
+          for (int c = 0; c < BLOCK4 / W; ++c) wv[c] = block4_vector(qp + n * (K / 2) + g * 16, c, dv, mv);
+          scalar_t* dst = op + n * K + g * BLOCK4;
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            for (int c = 0; c < BLOCK4 / W; ++c) storew(reinterpret_cast<float*>(dst) + c * W, wv[c]);
+          } else {
+            float tmp[BLOCK4];
+            for (int c = 0; c < BLOCK4 / W; ++c) storew(tmp + c * W, wv[c]);
+            for (int k = 0; k < BLOCK4; ++k) dst[k] = static_cast<scalar_t>(tmp[k]);
+          }
+        }
     });
   });
 }

@@ -18,14 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.group import TensorParallel
-from radixserve.quantization import Int8Weight, linear
+from radixserve.quantization import QuantizedWeight, linear
 
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with the input features ``[start, end)`` on this rank: each rank
     multiplies its columns, one all-reduce sums the parts, then the bias is added once."""
 
-    quantizable = True  # radixserve/quantization.py may replace its weight by an Int8Weight
+    quantizable = True  # radixserve/quantization/ may replace its weight by a quantized one
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
                  part: tuple[int, int]) -> None:
@@ -55,7 +55,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_slices = {} if tp.size == 1 else {"weight": (0, self.start, self.end, vocab_size)}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, Int8Weight):  # a tied LM head's table, quantized
+        if isinstance(self.weight, QuantizedWeight):  # a tied LM head's table, quantized
             return self.weight.embedding(input_ids)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)

@@ -52,7 +52,7 @@ class MergedLinear(nn.Module):
     copies one checkpoint tensor's kept rows into place.
     """
 
-    quantizable = True  # radixserve/quantization.py may replace its weight by an Int8Weight
+    quantizable = True  # radixserve/quantization/ may replace its weight by a quantized one
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
                  parts: dict[str, tuple[int, int]] | None = None) -> None:

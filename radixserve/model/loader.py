@@ -18,7 +18,7 @@ from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.model import get_model_class
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder import CausalLM
-from radixserve.quantization import quantize_model
+from radixserve.quantization import quantize_model, resolve_quantization
 
 
 @dataclass
@@ -109,11 +109,14 @@ def iter_safetensors(folder: str, dtype: torch.dtype) -> Iterator[tuple[str, tor
 def load_model(
     model_path: str | None, dtype: torch.dtype, device: torch.device | str = "cpu",
     tp: TensorParallel = SINGLE, load_format: str = "auto", quantization: str = "none",
+    gguf_path: str | None = None,
 ) -> LoadedModel:
     """Build the model for ``model_path`` (None = default model) with weights in ``dtype``;
     with ``tp``, only this rank's shard of them.  ``load_format="dummy"`` needs only the
     folder's config.json: the weights are random (seeded), for benchmarks of a model's shape.
-    ``quantization``: one of :data:`radixserve.config.QUANTIZATIONS` (radixserve/quantization.py)."""
+    ``quantization``: one of :data:`radixserve.config.QUANTIZATIONS` (radixserve/quantization/);
+    ``gguf`` serves the blocks of ``gguf_path``, by default the .gguf behind ``model_path`` (a
+    caller that passes the converted folder names the file)."""
     folder = resolve_model_path(model_path)
     hf_config = read_config(folder)
     config = ModelConfig.from_hf(hf_config, dtype, folder)
@@ -125,7 +128,11 @@ def load_model(
         random_weights(model)
     else:
         model.load_weights(iter_safetensors(folder, dtype))
-    quantize_model(model, quantization)
+    from radixserve.quantization.gguf_blocks import gguf_source
+
+    gguf_path = None if load_format == "dummy" else gguf_path or gguf_source(model_path)
+    quantization = resolve_quantization(quantization, gguf_path, torch.device(device).type == "cpu", tp.size)
+    quantize_model(model, quantization, gguf_path)
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer_path=folder, hf_config=hf_config)
 

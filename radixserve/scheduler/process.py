@@ -169,6 +169,7 @@ def run_scheduler_process(
         from radixserve.distributed.group import SINGLE, init_group, rank_device
         from radixserve.distributed.worker import WorkerLink, rank_threads, share_setup
         from radixserve.model.loader import load_model
+        from radixserve.quantization.gguf_blocks import gguf_source
         from radixserve.scheduler.scheduler import Scheduler
         from radixserve.tokenizer import DeferredTokenizer, load_decoder
 
@@ -179,7 +180,8 @@ def run_scheduler_process(
         if args.tp_size > 1:
             tp = init_group(0, args.tp_size, folder, rank_device(args.device, 0))
         loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp,
-                            load_format=args.load_format, quantization=args.quantization)
+                            load_format=args.load_format, quantization=args.quantization,
+                            gguf_path=gguf_source(args.model) if args.quantization == "gguf" else None)
         sched = Scheduler(args, loaded.model, loaded.config, None)
         # Stop strings only decode (the tokenizers library, milliseconds); grammars need the
         # transformers tokenizer, whose import takes seconds: loaded for the first of them.

@@ -1,0 +1,121 @@
+"""Weight-only quantization of a model's matmuls on a CPU (``--quantization``).
+
+Modes (:data:`radixserve.config.QUANTIZATIONS`):
+- ``int8``: every projection (q/k/v, o, gate/up, down) and the LM head as int8 with one float32
+  scale per ``GROUP`` (64) weights of a row, symmetric (weights.py: :class:`Int8Weight`).  Over
+  the first 32 greedy tokens of eight chat prompts it kept 61% of the default model's positions
+  identical to float32's (one scale per whole row: less); the model's near-ties decide that.
+- ``int4``: 4-bit blocks of 32 weights, ``w = d * q + m`` (llama.cpp's Q4_1 scheme,
+  :class:`Int4Weight`), about 5 bits a weight.
+- ``gguf``: a GGUF model's Q4_0 / Q4_1 / Q8_0 tensors served as stored (gguf_blocks.py), the
+  same weights float32 computes with in a quarter to a sixth of the bytes.
+- ``auto``: ``gguf`` for a GGUF model with such tensors on a CPU, else ``none``: weight-only int8
+  and int4 of a float checkpoint change its greedy tokens (see int8 above), and the accuracy
+  target of the bench (95% identical) is met only by the GGUF's own blocks.
+A tied embedding is the LM head's table, so its lookups dequantize the rows they take.
+
+The matmul path, chosen by measurement (2-core CPUs, the default model's shapes, float
+activations):
+- at most ``KERNEL_MAX_ROWS`` rows (decode): the C++ kernels ``int8_linear`` / ``int4_linear``
+  (cpu_ext/linear_ops.cpp), the weights converted to float in registers;
+- more rows (prefill, large batches): the weight dequantized once per call into a shared buffer
+  and torch's float matmul, whose blocked GEMM the row loop does not match there.
+torch's own ``_weight_int8pack_mm`` ran 4.7x slower than the float32 matmul at one row and 40x
+at 512 rows on an AVX2 CPU (Zen 3), so it is not used.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from radixserve.config import QUANTIZATIONS
+from radixserve.quantization.float_linear import float_linear
+from radixserve.quantization.weights import (
+    BLOCK4,
+    GROUP,
+    KERNEL_MAX_ROWS,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+)
+
+__all__ = ["BLOCK4", "GROUP", "KERNEL_MAX_ROWS", "Int4Weight", "Int8Weight", "QuantizedWeight", "linear",
+           "quantize_model", "resolve_quantization"]
+
+log = logging.getLogger("radixserve")
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a float or a quantized weight: a quantized one through its kernels, a
+    float one through :func:`float_linear` (the C++ loop where it beats torch on this CPU)."""
+    if isinstance(weight, QuantizedWeight):
+        y = weight.matmul(x)
+        return y if bias is None else y + bias
+    return float_linear(x, weight, bias)
+
+
+def resolve_quantization(mode: str, gguf_path: str | None, on_cpu: bool, tp_size: int) -> str:
+    """``mode`` with ``auto`` resolved: ``gguf`` for a model from ``gguf_path`` (None: not a
+    GGUF; see :func:`gguf_blocks.gguf_source`) that has Q4_0 / Q4_1 / Q8_0 tensors, on a CPU,
+    one rank; else ``none``."""
+    if mode != "auto":
+        return mode
+    from radixserve.quantization.gguf_blocks import served_tensor_count
+
+    usable = gguf_path is not None and on_cpu and tp_size == 1
+    return "gguf" if usable and served_tensor_count(gguf_path) else "none"
+
+
+def _quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers whose float weight a mode may replace: those marked ``quantizable``, and the
+    embedding table where it is the LM head too (tied)."""
+    tied = getattr(model, "lm_head", False) is None
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    found = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        wanted = getattr(module, "quantizable", False) or (tied and module is embedding)
+        if isinstance(weight, nn.Parameter) and weight.dim() == 2 and wanted:
+            found.append((name, module))
+    return found
+
+
+def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None) -> None:
+    """Replace, in place, the weight of every linear layer that has one (and of a tied
+    embedding) by its quantized form.  ``mode`` is one of :data:`QUANTIZATIONS` (``auto``
+    resolved); ``gguf`` takes the blocks of ``gguf_path``, the file the model was converted from."""
+    if mode not in QUANTIZATIONS or mode == "auto":
+        raise ValueError(f"quantization must be one of {[q for q in QUANTIZATIONS if q != 'auto']}, got {mode!r}")
+    if mode == "none":
+        return
+    modules = _quantizable(model)
+    if mode == "gguf":
+        if gguf_path is None:
+            raise ValueError("quantization gguf serves the blocks of a .gguf model; this model is not one "
+                             "(int8 or int4 quantize a float checkpoint)")
+        from radixserve.quantization.gguf_blocks import serve_gguf_blocks
+
+        done = serve_gguf_blocks(model, gguf_path, modules)
+        before, after = done.pop("bytes before"), done.pop("bytes after")
+        log.info("weights served as the GGUF's blocks: %.0f MB -> %.0f MB; %s", before / 2**20, after / 2**20,
+                 ", ".join(f"{count} layer(s) {what}" for what, count in sorted(done.items())))
+        return
+    group = GROUP if mode == "int8" else BLOCK4
+    before = after = kept = 0
+    for _, module in modules:
+        weight = module.weight
+        if weight.shape[1] % group:  # no whole groups: this layer keeps its float weight
+            kept += 1
+            continue
+        q = Int8Weight.quantize(weight) if mode == "int8" else Int4Weight.quantize(weight)
+        before += weight.numel() * weight.element_size()
+        after += q.nbytes
+        del module.weight  # the Parameter goes; forward reads the attribute set below
+        module.weight = q
+    log.info("weights quantized to %s (%s): %.0f MB -> %.0f MB; decode rows through the C++ kernel, "
+             "prefill through dequantized float matmuls%s", mode,
+             f"a scale per {GROUP} weights" if mode == "int8" else f"blocks of {BLOCK4}, d * q + m",
+             before / 2**20, after / 2**20,
+             f"; {kept} layer(s) kept in float (in-features not a multiple of {group})" if kept else "")

