@@ -25,7 +25,8 @@ per turn: positions where the two replies agree.  Where the replies differ, only
 like with like (later prompts hold each run's own earlier answers).  Speculative decoding keeps
 the output: its rows read 100% (greedy, and sampled with a seed).
 
-    python bench/agent.py                           # float32 and int8, greedy and sampled, ngram or not
+    python bench/agent.py                           # float32, int8, int4 and the GGUF's blocks, greedy
+                                                    # and sampled, ngram or not
     python bench/agent.py --quick                   # tiny smoke run
     python bench/agent.py --workload edit --quantizations none   # copy-heavy turns
 """
@@ -81,7 +82,7 @@ def check_loop_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_loop_args(p)
-    p.add_argument("--quantizations", default="none,int8", help="comma list of --quantization values")
+    p.add_argument("--quantizations", default="none,int8,int4,gguf", help="comma list of --quantization values")
     p.add_argument("--modes", default="greedy,sampled", help=f"comma list of {sorted(MODES)}")
     p.add_argument("--speculative", default="none,ngram", help="comma list: none, ngram")
     p.add_argument("--dtype", default="float32")
@@ -113,18 +114,18 @@ def memory_bandwidth_gbs() -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def weight_bytes_per_step(model_path: str, dtype: str, quantization: str) -> int:
+def weight_bytes_per_step(model_path: str | None, dtype: str, quantization: str) -> int:
     """Bytes of the matmul weights one decode step reads (the embedding row lookup aside)."""
     import torch
 
     from radixserve.model.loader import load_model
-    from radixserve.quantization import Int8Weight
+    from radixserve.quantization import QuantizedWeight
 
     model = load_model(model_path, getattr(torch, dtype), quantization=quantization).model
     total = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(weight, Int8Weight):
+        if isinstance(weight, QuantizedWeight):
             total += weight.nbytes
         elif isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
             is_table = module is model.model.embed_tokens
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from radixserve.engine import Engine
     from radixserve.model.default_model import default_model_path
 
-    model_path = default_model_path()
+    default_model_path()  # converted once (the engines and the byte count load it)
+    model_path = None  # the default model: its GGUF's blocks for --quantization gguf / auto
     bandwidth = memory_bandwidth_gbs()
     kind = cpu_kind()
     print(f"cpu: {kind['cpu_model']} ({kind['cpu_kind']}); memory bandwidth {bandwidth:.1f} GB/s (copy)")

@@ -12,9 +12,10 @@ token of each turn, and decode ms per token ((last - first token) / (tokens - 1)
     python bench/agent_http.py --llama-server ~/llama.cpp/build/bin/llama-server
     python bench/agent_http.py --quick --servers float32
 
-``--servers``: comma list of ``float32``, ``int8`` (``--quantization int8``), ``float32-ngram``,
-``int8-ngram`` (``--speculative-algorithm ngram``) and ``llama-server`` (the embedded model's
-Q4_1 GGUF, or ``--gguf``).
+``--servers``: comma list of ``float32`` (``--quantization none``), ``int8`` (``--quantization
+int8``), ``gguf`` (``--quantization gguf``: the GGUF's own Q4_1 / Q8_0 blocks, what ``auto`` serves),
+``float32-ngram``, ``int8-ngram``, ``gguf-ngram`` (``--speculative-algorithm ngram``) and
+``llama-server`` (the embedded model's Q4_1 GGUF, or ``--gguf``).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ from bench.common import (  # noqa: E402
 )
 
 RADIXSERVE = {
-    "float32": ["--dtype", "float32"],
+    "float32": ["--dtype", "float32", "--quantization", "none"],
     "int8": ["--dtype", "float32", "--quantization", "int8"],
-    "float32-ngram": ["--dtype", "float32", "--speculative-algorithm", "ngram"],
+    "gguf": ["--dtype", "float32", "--quantization", "gguf"],
+    "float32-ngram": ["--dtype", "float32", "--quantization", "none", "--speculative-algorithm", "ngram"],
     "int8-ngram": ["--dtype", "float32", "--quantization", "int8", "--speculative-algorithm", "ngram"],
+    "gguf-ngram": ["--dtype", "float32", "--quantization", "gguf", "--speculative-algorithm", "ngram"],
 }
 SERVERS = (*RADIXSERVE, "llama-server")
 

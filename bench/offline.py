@@ -18,6 +18,9 @@ Configurations, each in every ``--dtypes`` entry, each with a fresh model:
   radix-sampled  radixserve, radix cache on, every request sampled (temperature 0.7, top_p 0.9,
                seeded) instead of greedy: the sampler's cost beside the greedy run's
   radix-ngram  radixserve, radix cache on, n-gram speculative decoding (same greedy tokens)
+  radix-gguf   radixserve, radix cache on, the GGUF's own Q4_1 / Q8_0 blocks as the weights
+               (``--quantization gguf``, what ``auto`` picks for the default model on a CPU);
+               the other configs run the float weights (``--quantization none``)
   no-radix     radixserve, ``disable_radix_cache=True``
   hf-static  transformers ``generate`` in static left-padded batches of ``--hf-batch``
 
@@ -78,7 +81,7 @@ from bench.workloads import (  # noqa: E402
     short_prompts,
 )
 
-CONFIGS = ("radix", "radix-torch", "radix-sampled", "radix-ngram", "no-radix", "hf-static")
+CONFIGS = ("radix", "radix-torch", "radix-sampled", "radix-ngram", "radix-gguf", "no-radix", "hf-static")
 WORKLOADS = ("shared-prefix", "multi-turn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Counters of SchedulerStats that add up over requests, so a warm-up can be subtracted.
@@ -191,6 +194,7 @@ def run_radixserve(
     settings: dict[str, Any] = {"dtype": dtype, "disable_radix_cache": config == "no-radix"}
     if config == "radix-ngram":
         settings["speculative_algorithm"] = "ngram"
+    settings["quantization"] = "gguf" if config == "radix-gguf" else "none"
     for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)

@@ -70,7 +70,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph; 256 on CUDA
     disable_cuda_graph: bool = False  # run every decode eagerly on CUDA
     load_format: str = "auto"  # "dummy": random weights from the model's config.json (benchmarks)
-    quantization: str = "none"  # int8, int4, gguf (a GGUF's own blocks) or auto: weight-only, CPU
+    quantization: str = "auto"  # none, int8, int4, gguf (a GGUF's own blocks); auto: gguf for a GGUF on a CPU
     speculative_algorithm: str | None = None  # "ngram": drafts from the radix tree and the request's own text
     speculative_num_draft_tokens: int | None = None  # tokens per verify: the next one and N-1 drafts; 8 with ngram
     speculative_ngram_min_match_window_size: int = 1  # shortest suffix matched against the request's text

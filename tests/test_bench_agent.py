@@ -1,4 +1,4 @@
-"""Smoke test of bench/agent.py (one agent loop at batch 1, float32 and int8 weights, n-gram
+"""Smoke test of bench/agent.py (one agent loop at batch 1, float32, int8 and GGUF-block weights, n-gram
 speculative decoding or not): the report's shape and the arithmetic between its numbers; no
 timing assertion."""
 
@@ -17,10 +17,10 @@ from bench import agent  # noqa: E402
 
 def test_quick_run_reports_every_weight_format_and_mode(tmp_path, default_model_path, capsys) -> None:
     out = tmp_path / "agent.json"
-    report = agent.main(["--quick", "--out", str(out)])
+    report = agent.main(["--quick", "--quantizations", "none,int8,gguf", "--out", str(out)])
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(report["results"]))
     rows = {(r["quantization"], r["mode"], r["speculative"]): r for r in report["results"]}
-    assert set(rows) == {(q, m, s) for q in ("none", "int8") for m in ("greedy", "sampled") for s in ("none", "ngram")}
+    assert set(rows) == {(q, m, s) for q in ("none", "int8", "gguf") for m in ("greedy", "sampled") for s in ("none", "ngram")}
     for r in rows.values():
         assert len(r["ttft_ms"]) == 2 and all(len(ids) == 8 for ids in r["output_ids"])
         # turn 2 resends turn 1's conversation: the system prompt at least comes from the cache
@@ -34,6 +34,10 @@ def test_quick_run_reports_every_weight_format_and_mode(tmp_path, default_model_
     # int8 weights are about a quarter of float32's bytes (a scale per 64 weights on top)
     ratio = rows[("int8", "greedy", "none")]["weight_bytes_per_step"] / rows[("none", "greedy", "none")]["weight_bytes_per_step"]
     assert 0.25 < ratio < 0.28
+    # the GGUF's blocks (Q4_1 layers: 24 bytes a block of 32 as kept here; the Q8_0 table)
+    ratio = rows[("gguf", "greedy", "none")]["weight_bytes_per_step"] / rows[("none", "greedy", "none")]["weight_bytes_per_step"]
+    assert 0.18 < ratio < 0.23
+    assert rows[("gguf", "greedy", "none")]["identical_vs_none"] == [1.0, 1.0]  # float32's own weights
     assert rows[("none", "greedy", "none")]["identical_vs_none"] is None
     assert len(rows[("int8", "greedy", "none")]["identical_vs_none"]) == 2
     # Speculative decoding keeps the output: greedy, and sampled with the loop's seed.

@@ -208,8 +208,10 @@ def test_auto_resolves_to_the_ggufs_blocks_only_where_they_exist(tiny_model_dir:
         ServerArgs(model=folder, quantization="gguf", device="cpu").resolve()
     with pytest.raises(ValueError, match="quantization: int4 weights are served by one rank"):
         ServerArgs(quantization="int4", tp_size=2).resolve()
-    tiny = load_model(folder, torch.float32, quantization="int4").model
-    assert all(isinstance(m.weight, Int4Weight) for m in tiny.modules() if getattr(m, "quantizable", False))
+    tiny = load_model(folder, torch.float32, quantization="int4").model  # the LM head in int8, as llama.cpp
+    assert isinstance(tiny.lm_head.weight, Int8Weight) and tiny.lm_head.weight.group == 32
+    layers = [m for m in tiny.modules() if getattr(m, "quantizable", False) and m is not tiny.lm_head]
+    assert len(layers) == 4 * tiny.config.num_layers and all(isinstance(m.weight, Int4Weight) for m in layers)
 
 
 def test_default_model_blocks_through_the_engine(default_model_path: str) -> None:

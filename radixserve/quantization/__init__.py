@@ -2,16 +2,14 @@
 
 Modes (:data:`radixserve.config.QUANTIZATIONS`):
 - ``int8``: every projection (q/k/v, o, gate/up, down) and the LM head as int8 with one float32
-  scale per ``GROUP`` (64) weights of a row, symmetric (weights.py: :class:`Int8Weight`).  Over
-  the first 32 greedy tokens of eight chat prompts it kept 61% of the default model's positions
-  identical to float32's (one scale per whole row: less); the model's near-ties decide that.
+  scale per ``GROUP`` (64) weights of a row, symmetric (weights.py: :class:`Int8Weight`).
 - ``int4``: 4-bit blocks of 32 weights, ``w = d * q + m`` (llama.cpp's Q4_1 scheme,
-  :class:`Int4Weight`), about 5 bits a weight.
+  :class:`Int4Weight`), 6 bits a weight as kept here; the LM head in int8 (a scale per 32).
 - ``gguf``: a GGUF model's Q4_0 / Q4_1 / Q8_0 tensors served as stored (gguf_blocks.py), the
   same weights float32 computes with in a quarter to a sixth of the bytes.
-- ``auto``: ``gguf`` for a GGUF model with such tensors on a CPU, else ``none``: weight-only int8
-  and int4 of a float checkpoint change its greedy tokens (see int8 above), and the accuracy
-  target of the bench (95% identical) is met only by the GGUF's own blocks.
+- ``auto`` (the default): ``gguf`` for a GGUF model with such tensors on a CPU, else ``none``:
+  int8 and int4 of a float checkpoint round every weight (int8 above: 67% of the default
+  model's greedy tokens over eight prompts, bench/quant_accuracy.py), the GGUF's blocks none.
 A tied embedding is the LM head's table, so its lookups dequantize the rows they take.
 
 The matmul path, chosen by measurement (2-core CPUs, the default model's shapes, float
@@ -42,14 +40,25 @@ from radixserve.quantization.weights import (
     QuantizedWeight,
 )
 
-__all__ = ["BLOCK4", "GROUP", "KERNEL_MAX_ROWS", "Int4Weight", "Int8Weight", "QuantizedWeight", "linear",
+__all__ = ["BLOCK4", "GROUP", "KERNEL_MAX_ROWS", "LINEAR_SCOPE", "Int4Weight", "Int8Weight", "QuantizedWeight", "linear",
            "quantize_model", "resolve_quantization"]
 
 log = logging.getLogger("radixserve")
 
+LINEAR_SCOPE = "radixserve.linear"  # a matmul through the C++ kernels (no aten op names it)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a float or a quantized weight: a quantized one through its kernels, a
-    float one through :func:`float_linear` (the C++ loop where it beats torch on this CPU)."""
+    float one through :func:`float_linear` (the C++ loop where it beats torch on this CPU).
+    Under torch's profiler each call is a :data:`LINEAR_SCOPE` range (scheduler/profiling.py)."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return _linear(x, weight, bias)
+    with torch.profiler.record_function(LINEAR_SCOPE):
+        return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, QuantizedWeight):
         y = weight.matmul(x)
         return y if bias is None else y + bias
@@ -102,20 +111,26 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None) ->
         log.info("weights served as the GGUF's blocks: %.0f MB -> %.0f MB; %s", before / 2**20, after / 2**20,
                  ", ".join(f"{count} layer(s) {what}" for what, count in sorted(done.items())))
         return
-    group = GROUP if mode == "int8" else BLOCK4
+    head = getattr(model, "lm_head", None) or getattr(getattr(model, "model", None), "embed_tokens", None)
     before = after = kept = 0
     for _, module in modules:
         weight = module.weight
+        # int4 keeps the LM head (a tied table too) in int8, as llama.cpp's 4-bit files keep it
+        # in 6 or 8 bits: in 4 bits it alone took the default model from 100% to 36% of its
+        # float32 greedy tokens (bench/quant_accuracy.py)
+        in_int4 = mode == "int4" and module is not head
+        group = BLOCK4 if in_int4 else GROUP if mode == "int8" else BLOCK4
         if weight.shape[1] % group:  # no whole groups: this layer keeps its float weight
             kept += 1
             continue
-        q = Int8Weight.quantize(weight) if mode == "int8" else Int4Weight.quantize(weight)
+        q = Int4Weight.quantize(weight) if in_int4 else Int8Weight.quantize(weight, group)
         before += weight.numel() * weight.element_size()
         after += q.nbytes
         del module.weight  # the Parameter goes; forward reads the attribute set below
         module.weight = q
-    log.info("weights quantized to %s (%s): %.0f MB -> %.0f MB; decode rows through the C++ kernel, "
+    log.info("weights quantized to %s (%s): %.0f MB -> %.0f MB; decode rows through the C++ kernels, "
              "prefill through dequantized float matmuls%s", mode,
-             f"a scale per {GROUP} weights" if mode == "int8" else f"blocks of {BLOCK4}, d * q + m",
+             f"a scale per {GROUP} weights" if mode == "int8" else
+             f"blocks of {BLOCK4}, d * q + m; the LM head in int8, a scale per {BLOCK4}",
              before / 2**20, after / 2**20,
-             f"; {kept} layer(s) kept in float (in-features not a multiple of {group})" if kept else "")
+             f"; {kept} layer(s) kept in float (in-features not whole groups)" if kept else "")

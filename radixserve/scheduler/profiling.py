@@ -5,7 +5,9 @@ messages are handled between steps, so it holds whole steps).  The step time of 
 comes from the scheduler's own clock (``SchedulerStats.step_seconds``); the profiler splits it:
 
     attention   inside ``ATTENTION_SCOPE`` (each layer's attention backend call)
-    linear      top-level aten::linear / addmm / mm / matmul in the forward, outside attention
+    linear      top-level ``LINEAR_SCOPE`` ranges (every matmul of the model's layers, the C++
+                kernels' included) and aten::linear / addmm / mm / matmul in the forward,
+                outside attention
     other       the rest of ``FORWARD_SCOPE`` (building the batch, norms, RoPE, activations...)
     sampling    inside ``SAMPLING_SCOPE``
     scheduler   the step minus forward and sampling (admission, KV bookkeeping, output)
@@ -25,11 +27,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from radixserve.model.decoder import ATTENTION_SCOPE
+from radixserve.quantization import LINEAR_SCOPE
 from radixserve.scheduler.stats import SchedulerStats
 
 FORWARD_SCOPE = "radixserve.forward"  # ModelRunner.forward: batch building and the model
 SAMPLING_SCOPE = "radixserve.sampling"  # ModelRunner.sample
-LINEAR_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul"})
+LINEAR_OPS = frozenset({LINEAR_SCOPE, "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"})
 CATEGORIES = ("attention", "linear", "other", "scheduler", "sampling")
 
 

@@ -1,0 +1,118 @@
+"""Accuracy of the weight formats (``--quantization``) against float32, over a fixed prompt set.
+
+For each of eight chat prompts the float32 model (``none``) decodes ``--tokens`` greedy tokens:
+the reference.  Each weight format in ``--quantizations`` then, in a fresh engine,
+- decodes its own greedy tokens: ``identical`` is the share of positions where they equal the
+  reference's (averaged over the prompts; after a first difference the texts usually part), and
+  ``first diff`` the mean position of the first difference (``--tokens`` where none);
+- scores the reference tokens teacher-forced (prompt + reference as the input, SGLang's
+  ``input_token_logprobs``): ``mean / max |d logprob|`` against float32's own logprobs of them,
+  a measure that one near-tie does not decide.
+``weights MB`` is the bytes of the matmul weights as served.
+
+    python bench/quant_accuracy.py                 # none, int8, int4, gguf
+    python bench/quant_accuracy.py --quick         # two prompts, 8 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from a source checkout
+    sys.path.insert(0, str(REPO))
+
+from bench.common import align_columns, args_params, cpu_kind, machine_info, write_report  # noqa: E402
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three uses of Python's itertools module.",
+    "How do I reverse a list in Python?",
+    "Give me a JSON object with a name and an age.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quantizations", default="int8,int4,gguf", help="comma list, compared with none")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quick", action="store_true", help="two prompts, 8 tokens")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quant_accuracy.json")
+    args = p.parse_args(argv)
+    args.quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip() and q.strip() != "none"]
+    if args.quick:
+        args.tokens = 8
+    if args.tokens < 1 or not args.quantizations:
+        p.error("--tokens must be >= 1 and --quantizations name at least one format besides none")
+    return args
+
+
+
+def run_format(quant: str, prompts: list[list[int]], reference: list[list[int]] | None,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """One engine: its greedy tokens for each prompt and its logprobs of ``reference`` (its
+    own tokens when None)."""
+    from radixserve.engine import Engine
+
+    params = {"temperature": 0.0, "max_new_tokens": args.tokens, "ignore_eos": True}
+    with Engine(dtype=args.dtype, quantization=quant, max_total_tokens=8192) as engine:
+        served = engine.info["quantization"]
+        outs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+        scored = reference or outs
+        logprobs = []
+        for prompt, ref in zip(prompts, scored, strict=True):
+            res = engine.generate(input_ids=prompt + ref, sampling_params={"max_new_tokens": 0},
+                                  return_logprob=True, logprob_start_len=len(prompt))
+            logprobs.append([entry[0] for entry in res["meta_info"]["input_token_logprobs"]])
+    return {"quantization": quant, "served_as": served, "output_ids": outs, "reference_logprobs": logprobs}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from radixserve.model.default_model import default_model_path
+    from radixserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    questions = QUESTIONS[:2] if args.quick else QUESTIONS
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    kind = cpu_kind()
+    print(f"cpu: {kind['cpu_model']} ({kind['cpu_kind']}); {len(prompts)} prompts, {args.tokens} greedy tokens each")
+    print("[none] ...", flush=True)
+    ref = run_format("none", prompts, None, args)
+    rows = []
+    for quant in args.quantizations:
+        print(f"[{quant}] ...", flush=True)
+        got = run_format(quant, prompts, ref["output_ids"], args)
+        same = [sum(a == b for a, b in zip(x, y, strict=True)) / len(x)
+                for x, y in zip(ref["output_ids"], got["output_ids"], strict=True)]
+        first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                 for x, y in zip(ref["output_ids"], got["output_ids"], strict=True)]
+        deltas = [abs(a - b) for xs, ys in zip(ref["reference_logprobs"], got["reference_logprobs"], strict=True)
+                  for a, b in zip(xs, ys, strict=True)]
+        rows.append({"quantization": quant, "served_as": got["served_as"], "identical": sum(same) / len(same),
+                     "identical_per_prompt": same, "first_diff_mean": sum(first) / len(first),
+                     "mean_abs_dlogprob": sum(deltas) / len(deltas), "max_abs_dlogprob": max(deltas),
+                     "output_ids": got["output_ids"]})
+    header = ["weights", "served as", "identical", "first diff", "mean |d logprob|", "max |d logprob|"]
+    lines = [header] + [[r["quantization"], r["served_as"], f"{r['identical']:.0%}", f"{r['first_diff_mean']:.1f}",
+                         f"{r['mean_abs_dlogprob']:.4f}", f"{r['max_abs_dlogprob']:.4f}"] for r in rows]
+    print()
+    print(align_columns(lines, left={0, 1}))
+    report = {"benchmark": "quant_accuracy", "params": args_params(args), "machine": machine_info(),
+              "reference_output_ids": ref["output_ids"], "results": rows}
+    write_report(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()
