@@ -73,6 +73,24 @@ def test_int4_many_rows_dequantize_into_the_shared_buffer(dtype: torch.dtype) ->
         torch.testing.assert_close(q.matmul(x), x @ q.dequantized(dtype).T)
 
 
+def test_bfloat16_dequantization_rounds_ties_to_even() -> None:
+    """d = 1 + 2^-8: odd q lands exactly between two bfloat16 values; the vector rounding of
+    the dequantization kernels gives torch's (nearest, ties to even)."""
+    n, k = 4, 2 * BLOCK4
+    q = torch.arange(n * k).remainder(16).to(torch.uint8).view(n, k // BLOCK4, BLOCK4)
+    d = torch.full((n, k // BLOCK4), 1 + 2**-8)
+    m = torch.tensor([0.0, -8.0, 2**-9, -3.0]).repeat_interleave(k // BLOCK4).view(n, -1)
+    w = Int4Weight((q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2), d, m, torch.float32)
+    out = torch.empty((n, k), dtype=torch.bfloat16)
+    OPS.int4_dequant_(w.qs, w.d, w.m, out)
+    assert torch.equal(out, w.dequantized(torch.float32).to(torch.bfloat16))
+    q8 = Int8Weight(torch.arange(-64, 64, dtype=torch.int8).repeat(n, 1), torch.full((n, 4), 1 + 2**-8),
+                    torch.float32)
+    out8 = torch.empty((n, 128), dtype=torch.bfloat16)
+    OPS.int8_dequant_(q8.q, q8.scale, out8)
+    assert torch.equal(out8, q8.dequantized(torch.float32).to(torch.bfloat16))
+
+
 def test_int4_rows_and_bad_shapes() -> None:
     q = Int4Weight.quantize(_weight(9, 2 * BLOCK4))
     ids = torch.tensor([8, 0, 3])

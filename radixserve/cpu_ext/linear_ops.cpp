@@ -272,6 +272,26 @@ void dot_linear(const typename D::T* x, const typename D::T* w, float* y, int64_
   });
 }
 
+// W floats stored as the output's element type: float32 as they are, bfloat16 rounded to nearest
+// even in vectors (a scalar conversion per element made a bfloat16 dequantization of the default
+// model's weights cost more than the matmul it feeds), others element by element.
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));
+
+template <typename T>
+inline void store_elems(T* dst, vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    storew(dst, v);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    vu bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const vh top = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, vh);
+    std::memcpy(dst, &top, sizeof(top));
+  } else {
+    for (int l = 0; l < W; ++l) dst[l] = static_cast<T>(v[l]);
+  }
+}
+
 // x as float32 rows and a float32 [M, N] result, ``rows(x, y, n0, n1)`` run over chunks of output
 // rows on the threads (a multiple of NB each, enough of them to share the threads).
 template <typename Rows>
@@ -346,12 +366,7 @@ void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor out) {
         const int8_t* src = wp + n * K;
         const float* sc = sp + n * (K / group);
         scalar_t* dst = op + n * K;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          for (int64_t k = 0; k < K; k += W)
-            storew(reinterpret_cast<float*>(dst) + k, load_int8(src + k) * sc[k / group]);
-        } else {
-          for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<scalar_t>(static_cast<float>(src[k]) * sc[k / group]);
-        }
+        for (int64_t k = 0; k < K; k += W) store_elems(dst + k, load_int8(src + k) * sc[k / group]);
       }
     });
   });
@@ -404,13 +419,7 @@ void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out)
           vf wv[BLOCK4 / W];
           for (int c = 0; c < BLOCK4 / W; ++c) wv[c] = block4_vector(qp + n * (K / 2) + g * 16, c, dv, mv);
           scalar_t* dst = op + n * K + g * BLOCK4;
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            for (int c = 0; c < BLOCK4 / W; ++c) storew(reinterpret_cast<float*>(dst) + c * W, wv[c]);
-          } else {
-            float tmp[BLOCK4];
-            for (int c = 0; c < BLOCK4 / W; ++c) storew(tmp + c * W, wv[c]);
-            for (int k = 0; k < BLOCK4; ++k) dst[k] = static_cast<scalar_t>(tmp[k]);
-          }
+          for (int c = 0; c < BLOCK4 / W; ++c) store_elems(dst + c * W, wv[c]);
         }
     });
   });
