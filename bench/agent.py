@@ -18,7 +18,9 @@ engine runs the loop and the table shows
 
 ``--workload edit`` makes every turn copy-heavy: its tool result is the source of a Python
 standard-library function (``read_file``), and the user asks for the file back with the
-function renamed -- the answer echoes the tool result, as an agent's edits do.
+function renamed -- the answer echoes the tool result, as an agent's edits do.  ``--workload
+json`` does the same with JSON: each tool result is a task record, asked back with its
+``status`` changed.
 
 and, against float32 without speculation in the same mode, the share of identical output tokens
 per turn: positions where the two replies agree.  Where the replies differ, only turn 1 compares
@@ -29,6 +31,7 @@ the output: its rows read 100% (greedy, and sampled with a seed).
                                                     # and sampled, ngram or not
     python bench/agent.py --quick                   # tiny smoke run
     python bench/agent.py --workload edit --quantizations none   # copy-heavy turns
+    python bench/agent.py --workload json --quantizations gguf   # JSON edits
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ def add_loop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-len", type=int, default=64, help="tokens of each turn's user message")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workload", choices=("agent", "edit"), default="agent",
-                   help="agent: tool results of English text; edit: tool results of code, echoed back")
+    p.add_argument("--workload", choices=("agent", "edit", "json"), default="agent",
+                   help="agent: tool results of English text; edit: tool results of code, echoed back "
+                        "renamed; json: tool results of JSON, echoed back with one field changed")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (system 128, 2 turns, 8 out)")
 
 
@@ -149,6 +153,29 @@ def edit_turn(name: str) -> str:
             f"Return this code with `{func}` renamed to `{func}_v2` and nothing else changed.")
 
 
+JSON_WORDS = ("parser", "cache", "router", "worker", "schema", "index", "loader", "tokenizer", "metrics",
+              "scheduler", "backend", "grammar")
+
+
+def json_turn(seed: int, turn: int) -> str:
+    """A JSON record (a task tracker's issue) as a tool result, to be returned with its status
+    changed: an agent's JSON edit, most of the answer copied from the prompt."""
+    import random
+
+    rng = random.Random(seed * 1000 + turn)
+    words = rng.sample(JSON_WORDS, 6)
+    record = {
+        "id": f"TASK-{rng.randint(100, 999)}", "title": f"Refactor the {words[0]} and its {words[1]}",
+        "status": "open", "priority": rng.choice(["low", "medium", "high"]),
+        "assignee": {"name": f"dev-{words[2]}", "team": words[3]},
+        "labels": [words[4], words[5], "refactor"],
+        "steps": [{"name": f"split the {w} module", "done": rng.random() < 0.5} for w in words[:3]],
+        "estimate_hours": rng.randint(2, 40),
+    }
+    return (f"Tool result (get_task {record['id']}):\n```json\n{json.dumps(record, indent=2)}\n```\n"
+            'Return this JSON with "status" set to "in_progress" and nothing else changed.')
+
+
 def conversation(tokenizer: Any, args: argparse.Namespace) -> tuple[str, list[str]]:
     """The system prompt (text then the tool list, ``--system-len`` tokens) and each turn's
     user message: a tool result of ``--user-len`` tokens of text, or (``--workload edit``) a
@@ -159,6 +186,8 @@ def conversation(tokenizer: Any, args: argparse.Namespace) -> tuple[str, list[st
     system = tokenizer.decode(stream.take(max(1, args.system_len - tool_len))) + tools
     if args.workload == "edit":
         return system, [edit_turn(EDIT_SOURCES[(args.seed + t) % len(EDIT_SOURCES)]) for t in range(args.turns)]
+    if args.workload == "json":
+        return system, [json_turn(args.seed, t) for t in range(args.turns)]
     users = [f"Tool result {t + 1}:\n" + tokenizer.decode(stream.take(args.user_len)) for t in range(args.turns)]
     return system, users
 

@@ -75,3 +75,19 @@ def test_edit_workload_turns_carry_code_to_echo(default_model_path) -> None:
     assert len(users) == 3 and "Tools:" in system
     assert inspect.getsource(textwrap.dedent) in users[0] and "`dedent_v2`" in users[0]
     assert len({u.splitlines()[0] for u in users}) == 3  # a different function each turn
+
+
+def test_json_workload_turns_carry_a_record_to_echo(default_model_path) -> None:
+    """--workload json: each turn's tool result is a JSON record to return with one field
+    changed (JSON edits for n-gram drafts); the records differ by turn and follow the seed."""
+    import json
+
+    from radixserve.tokenizer import load_tokenizer
+
+    args = agent.parse_args(["--workload", "json", "--turns", "3", "--system-len", "300"])
+    tokenizer = load_tokenizer(default_model_path)
+    _, users = agent.conversation(tokenizer, args)
+    records = [json.loads(u.split("```json\n", 1)[1].split("\n```", 1)[0]) for u in users]
+    assert all(r["status"] == "open" and '"status" set to "in_progress"' in u for r, u in zip(records, users, strict=True))
+    assert len({r["id"] for r in records}) == 3
+    assert agent.conversation(tokenizer, args)[1] == users  # the same seed, the same turns
