@@ -108,10 +108,9 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None) ->
                              "(int8 or int4 quantize a float checkpoint)")
         from radixserve.quantization.gguf_blocks import serve_gguf_blocks
 
-        done = serve_gguf_blocks(model, gguf_path, modules)
-        before, after = done.pop("bytes before"), done.pop("bytes after")
+        kinds, before, after = serve_gguf_blocks(model, gguf_path, modules)
         log.info("weights served as the GGUF's blocks: %.0f MB -> %.0f MB; %s", before / 2**20, after / 2**20,
-                 ", ".join(f"{count} layer(s) {what}" for what, count in sorted(done.items())))
+                 ", ".join(f"{count} layer(s) {what}" for what, count in sorted(kinds.items())))
         return
     head = getattr(model, "lm_head", None) or getattr(getattr(model, "model", None), "embed_tokens", None)
     before = after = kept = 0
@@ -121,7 +120,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None) ->
         # in 6 or 8 bits: in 4 bits it alone took the default model from 100% to 36% of its
         # float32 greedy tokens (bench/quant_accuracy.py)
         in_int4 = mode == "int4" and module is not head
-        group = BLOCK4 if in_int4 else GROUP if mode == "int8" else BLOCK4
+        group = GROUP if mode == "int8" else BLOCK4
         if weight.shape[1] % group:  # no whole groups: this layer keeps its float weight
             kept += 1
             continue

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from radixserve import cpu_ext
 from radixserve.config import cpu_bf16_feature
-from radixserve.quantization.weights import KERNEL_MAX_ROWS
+
+KERNEL_MAX_ROWS = 8  # rows of a step that the quantized weights' C++ kernels take (weights.py)
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

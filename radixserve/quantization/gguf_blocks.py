@@ -17,6 +17,7 @@ orders are tried: other architectures are stored as they are).
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from collections import Counter
 from collections.abc import Iterator
@@ -35,8 +36,6 @@ SERVED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 def gguf_source(model_path: str | None) -> str | None:
     """The .gguf file behind a model setting (None: the embedded default model), or None."""
-    import os
-
     if model_path is None:
         from radixserve.model.default_model import default_gguf_path
 
@@ -216,49 +215,55 @@ def _parts(name: str, module: nn.Module) -> list[tuple[str, str | None]]:
     return [(f"{parent}.{shard}_proj.weight", shard) for shard in shards]
 
 
-def serve_gguf_blocks(model: nn.Module, gguf_path: str, modules: list[tuple[str, nn.Module]]) -> Counter:
+def _layer_blocks(name: str, module: nn.Module, tensors: dict[str, GGUFTensor], file: np.memmap, names: object,
+                  heads: dict[str, int]) -> tuple[QuantizedWeight | None, str]:
+    """The GGUF's blocks for one layer's weight (its parts joined in row order) and what it
+    got, or None and why it keeps its float weight."""
+    weight = module.weight.detach()
+    parts = []
+    for hf_name, shard in _parts(name, module):
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight",)) if names is not None else None
+        if gguf_name == "output.weight" and gguf_name not in tensors:
+            gguf_name = "token_embd.weight"  # a tied LM head is the embedding table
+        tensor = tensors.get(gguf_name)
+        blocks = _block_weight(file, tensor, weight.dtype) if tensor is not None else None
+        if blocks is None:
+            return None, f"float: {tensor.kind if tensor is not None else 'no GGUF tensor'}"
+        start, size = module.shard_offsets[shard] if shard else (0, weight.shape[0])
+        blocks = _matching(blocks, weight[start:start + size], heads.get(shard or ""))
+        if blocks is None:
+            return None, "float: blocks differ from the converted weight"
+        parts.append(blocks)
+    if len({type(p) for p in parts}) != 1:
+        return None, "float: parts of mixed types"
+    quantized = _concat(parts)
+    return quantized, "Q8_0 blocks" if isinstance(quantized, Int8Weight) else "Q4 blocks"
+
+
+def serve_gguf_blocks(model: nn.Module, gguf_path: str,
+                      modules: list[tuple[str, nn.Module]]) -> tuple[Counter, int, int]:
     """Replace, in place, the weight of each ``(name, module)`` by the GGUF's blocks where they
-    dequantize to it exactly.  Returns the weights' bytes and the layers by what they got."""
+    dequantize to it exactly.  Returns the layers counted by what they got, and the weights'
+    bytes before and after."""
     import gguf
 
     index = read_gguf_index(gguf_path)
-    tensors = index.tensors
     file = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}.get(index.architecture)
     config = model.config
     names = gguf.get_tensor_name_map(arch, config.num_layers) if arch is not None else None
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
-    done: Counter = Counter()
+    kinds: Counter = Counter()
+    before = after = 0
     for name, module in modules:
-        weight = module.weight
-        parts = []
-        for hf_name, shard in _parts(name, module):
-            gguf_name = names.get_name(hf_name, try_suffixes=(".weight",)) if names is not None else None
-            if gguf_name == "output.weight" and gguf_name not in tensors:
-                gguf_name = "token_embd.weight"  # a tied LM head is the embedding table
-            tensor = tensors.get(gguf_name)
-            blocks = _block_weight(file, tensor, weight.dtype) if tensor is not None else None
-            if blocks is None:
-                parts = None
-                done[f"float: {tensor.kind if tensor is not None else 'no GGUF tensor'}"] += 1
-                break
-            start, size = module.shard_offsets[shard] if shard else (0, weight.shape[0])
-            blocks = _matching(blocks, weight.detach()[start:start + size], heads.get(shard or ""))
-            if blocks is None:
-                parts = None
-                done["float: blocks differ from the converted weight"] += 1
-                break
-            parts.append(blocks)
-        if not parts or len({type(p) for p in parts}) != 1:
-            if parts:
-                done["float: parts of mixed types"] += 1
-            done["bytes before"] += weight.numel() * weight.element_size()
-            done["bytes after"] += weight.numel() * weight.element_size()
+        quantized, kind = _layer_blocks(name, module, index.tensors, file, names, heads)
+        kinds[kind] += 1
+        float_bytes = module.weight.numel() * module.weight.element_size()
+        before += float_bytes
+        if quantized is None:
+            after += float_bytes
             continue
-        quantized = _concat(parts)
-        done["bytes before"] += weight.numel() * weight.element_size()
-        done["bytes after"] += quantized.nbytes
-        done["Q8_0 blocks" if isinstance(quantized, Int8Weight) else "Q4 blocks"] += 1
+        after += quantized.nbytes
         del module.weight
         module.weight = quantized
-    return done
+    return kinds, before, after

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve import cpu_ext
+from radixserve.quantization.float_linear import KERNEL_MAX_ROWS, float_linear
 
-KERNEL_MAX_ROWS = 8
 GROUP = 64  # weights per int8 scale along a row, from float weights (a GGUF Q8_0 tensor: 32)
 BLOCK4 = 32  # weights per 4-bit block (BLOCK4 in cpu_ext/linear_ops.cpp)
 
@@ -51,8 +51,6 @@ class QuantizedWeight:
             return self.kernel_matmul(ops, x).to(x.dtype)
         weight = _scratch(self.shape, x.dtype)
         self.dequantize_into(weight)
-        from radixserve.quantization.float_linear import float_linear  # (it imports this module)
-
         return float_linear(x, weight)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
