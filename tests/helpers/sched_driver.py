@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import torch
@@ -44,9 +45,19 @@ def run_until_idle(sched: Scheduler, max_steps: int = 10_000, on_step: Any = Non
     with "no lock left" once idle.
     """
     results: dict[str, dict[str, Any]] = {}
-    for step in range(max_steps):
-        if not sched.has_work:
-            break
+    waited = 0.0  # seconds slept while only a grammar compiled (or KV loaded) in the background
+    budget, step = max_steps, -1
+    while sched.has_work:
+        if budget == 0:
+            raise RuntimeError("scheduler did not become idle")
+        step += 1
+        if sched.only_compiling and waited < 120.0:
+            # as the process loop does: wait a little, then step (which polls the compile); such
+            # steps are not counted, so a slow compile on a busy machine does not use them up
+            time.sleep(0.005)
+            waited += 0.005
+        else:
+            budget -= 1
         out = sched.step()
         sched.check_memory()
         if out is not None:
@@ -61,8 +72,6 @@ def run_until_idle(sched: Scheduler, max_steps: int = 10_000, on_step: Any = Non
                     r["input"], r["input_top"] = out.input_logprobs[i], out.input_top_logprobs[i]
         if on_step is not None:
             on_step(step, sched)
-    else:
-        raise RuntimeError("scheduler did not become idle")
     report = sched.check_memory()
     assert report["locked_tokens"] == 0
     return results
