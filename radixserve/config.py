@@ -38,6 +38,56 @@ def cpu_bf16_feature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     return None
 
 
+def _torch_version_fields() -> dict[str, str | None]:
+    """``torch/version.py``'s fields, read as text: importing torch takes 1-2 s, which a CPU
+    build (whose ``cuda`` and ``hip`` are None) never needs to know it has no GPU."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    fields: dict[str, str | None] = {}
+    if spec is None or not spec.submodule_search_locations:
+        return fields
+    try:
+        with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")) as f:
+            for line in f:
+                name, sep, value = line.partition("=")
+                name = name.split(":")[0].strip()
+                if sep and name in ("__version__", "cuda", "hip"):
+                    value = value.strip()
+                    fields[name] = None if value == "None" else value.strip("'\"")
+    except OSError:
+        pass
+    return fields
+
+
+def torch_build_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA (or ROCm) build; True when that cannot be read."""
+    fields = _torch_version_fields()
+    return "cuda" not in fields or fields.get("cuda") is not None or fields.get("hip") is not None
+
+
+def torch_build_version() -> str:
+    return _torch_version_fields().get("__version__") or "unknown"
+
+
+def _torch_cuda() -> Any:
+    import torch
+
+    return torch.cuda
+
+
+def resolve_quantization(mode: str, gguf_path: str | None, on_cpu: bool, tp_size: int) -> str:
+    """``mode`` with ``auto`` resolved: ``gguf`` for a model from ``gguf_path`` (None: not a
+    GGUF; see :func:`model.gguf_index.gguf_source`) that has Q4_0 / Q4_1 / Q8_0 tensors, on a CPU,
+    one rank; else ``none``."""
+    if mode != "auto":
+        return mode
+    from radixserve.model.gguf_index import served_tensor_count
+
+    usable = gguf_path is not None and on_cpu and tp_size == 1
+    return "gguf" if usable and served_tensor_count(gguf_path) else "none"
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every field is a CLI flag (``--page-size``) and an Engine keyword (``page_size``).
@@ -200,18 +250,17 @@ class ServerArgs:
         Model-dependent values (context length, pool size) are resolved by the scheduler once
         the model is loaded, and reported back in its ready message.
         """
-        import torch
-
         device = self.device
+        if device not in ("auto", "cpu") and not device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+        cuda = None if device == "cpu" or not torch_build_has_cuda() else _torch_cuda()
         if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif device.startswith("cuda") and not torch.cuda.is_available():
+            device = "cuda" if cuda is not None and cuda.is_available() else "cpu"
+        elif device.startswith("cuda") and (cuda is None or not cuda.is_available()):
             raise ValueError(
                 f"device {device!r} was asked for, but this torch build has no usable CUDA device "
-                f"(torch {torch.__version__}); use --device cpu or auto"
+                f"(torch {torch_build_version()}); use --device cpu or auto"
             )
-        elif device != "cpu" and not device.startswith("cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
         on_gpu = device.startswith("cuda")
         dtype = self.dtype
         if dtype == "auto":  # the scheduler's start-up line says what was detected
@@ -221,9 +270,9 @@ class ServerArgs:
             backend = "triton" if on_gpu else "torch"
         if on_gpu and self.tp_size > 1 and device != "cuda":
             raise ValueError(f"with tp_size > 1 the device is cuda (rank r runs on cuda:r), not {device!r}")
-        if on_gpu and self.tp_size > torch.cuda.device_count():
+        if on_gpu and self.tp_size > cuda.device_count():
             raise ValueError(f"tp_size {self.tp_size} needs as many GPUs; "
-                             f"{torch.cuda.device_count()} are visible")
+                             f"{cuda.device_count()} are visible")
         page_size = self.page_size or (16 if on_gpu else 1)
         chunk = self.chunked_prefill_size or (8192 if on_gpu else 1024)
         graph_bs = self.cuda_graph_max_bs
@@ -236,8 +285,7 @@ class ServerArgs:
         if algorithm is not None:
             drafts = drafts or DEFAULT_SPECULATIVE_NUM_DRAFT_TOKENS
             spec_bs = spec_bs or (64 if on_gpu else 4)
-        from radixserve.quantization import resolve_quantization
-        from radixserve.quantization.gguf_blocks import gguf_source
+        from radixserve.model.gguf_index import gguf_source
 
         # the blocks of the .gguf behind the model (random weights have none)
         source = gguf_source(self.model) if self.quantization in ("auto", "gguf") and self.load_format != "dummy" else None

@@ -184,6 +184,7 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
         ignore_interrupts,
         open_pipeline_sockets,
         parent_alive,
+        wait_for_input,
     )
     from radixserve.threads import use_one_thread
 
@@ -206,7 +207,7 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
         if not parent_alive(parent):
             logger.info("launcher is gone; detokenizer exits")
             return
-        if not recv.poll(1000):
+        if not wait_for_input(recv, 1000):
             continue
         for frame in loop.handle(recv.recv()):
             send.send(frame)

@@ -14,12 +14,8 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, NamedTuple
 
-from pydantic import ValidationError
-
 from radixserve.config import ServerArgs
-from radixserve.frontend.chat_render import render_without_tools, validation_message
 from radixserve.frontend.native_output import LogprobRequest, NativeOutput
-from radixserve.frontend.protocol import ApplyChatTemplateRequest
 from radixserve.frontend.tokenizer_manager import RequestError, SchedulingHints, TokenizerManager
 from radixserve.launcher import ProcessGroup
 
@@ -275,6 +271,12 @@ class Engine:
         message instead of opening a new one; ``template_kwargs`` are extra template
         variables (e.g. ``enable_thinking=False``).  ValueError for bad messages or a model
         without a chat template."""
+        # the pydantic chat models: imported by the first call, not by every engine's start
+        from pydantic import ValidationError
+
+        from radixserve.frontend.chat_render import render_without_tools, validation_message
+        from radixserve.frontend.protocol import ApplyChatTemplateRequest
+
         fields: dict[str, Any] = {"messages": messages, "continue_final_message": continue_final_message,
                                   "chat_template_kwargs": template_kwargs}
         if not add_generation_prompt:

@@ -76,7 +76,7 @@ class ProcessGroup:
 
     def __init__(self, args: ServerArgs) -> None:
         self.args = args.resolve()
-        from radixserve.model.loader import resolve_model_path
+        from radixserve.model.default_model import resolve_model_path
 
         # Converts the default model / a .gguf once into the cache folder, here in the
         # launcher, so the progress bar shows and every process loads the same folder.
@@ -91,7 +91,6 @@ class ProcessGroup:
         """Start the processes (with ``tp_size > 1``, one more per extra tensor-parallel rank);
         return the scheduler's model info once all are ready."""
         from radixserve.detokenizer import run_detokenizer_process
-        from radixserve.distributed.worker import run_tp_worker_process
         from radixserve.scheduler.process import run_scheduler_process
 
         _check_can_start_children()
@@ -109,6 +108,8 @@ class ProcessGroup:
             daemon=True,
         )
         rank_pipes = {}
+        if self.args.tp_size > 1:  # the module imports torch: the front end waits for it only then
+            from radixserve.distributed.worker import run_tp_worker_process
         for rank in range(1, self.args.tp_size):
             name = f"tensor-parallel rank {rank}"
             rank_pipes[name], rank_w = ctx.Pipe(duplex=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ def ignore_interrupts() -> None:
 
 
 _SIGTERM_HOOKS: list[Callable[[], None]] = []
+_SIGNAL_WAKEUP: list[int] = []  # the read end of the signal wake-up pipe, once set
 
 
 def on_sigterm(hook: Callable[[], None]) -> None:
@@ -54,6 +56,30 @@ def exit_on_sigterm(process: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
+    if not _SIGNAL_WAKEUP:
+        # A signal may land on another thread (zmq's I/O thread, torch's workers): the main
+        # thread's poll is then not interrupted, and the handler would wait for its timeout.
+        # The C handler writes the signal's number here; wait_for_input polls it too.
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        _SIGNAL_WAKEUP.append(read)
+
+
+def wait_for_input(sock: zmq.Socket, timeout_ms: int) -> bool:
+    """``sock.poll(timeout_ms)``, also returning (False) as soon as a signal arrives, so that its
+    handler runs at once: the launcher's SIGTERM stops an idle process in milliseconds."""
+    if not _SIGNAL_WAKEUP:
+        return bool(sock.poll(timeout_ms))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(_SIGNAL_WAKEUP[0], zmq.POLLIN)
+    ready = dict(poller.poll(timeout_ms))
+    if _SIGNAL_WAKEUP[0] in ready:
+        with contextlib.suppress(OSError):
+            os.read(_SIGNAL_WAKEUP[0], 64)
+    return sock in ready
 
 
 def open_pipeline_sockets(in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket]:

@@ -5,15 +5,56 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from radixserve.model.records import read_record, record_path, write_record
+
+
+# The class transformers' own tokenizer.json loader has (v5); where AutoTokenizer resolved a
+# folder to it once, later loads call it directly.
+_BACKEND_CLASS = "TokenizersBackend"
+_TOKENIZER_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json", "special_tokens_map.json",
+                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
 
 def load_tokenizer(path: str) -> Any:
-    """A Hugging Face tokenizer from a model folder, or from the metadata of a .gguf file."""
-    from transformers import AutoTokenizer
+    """A Hugging Face tokenizer from a model folder, or from the metadata of a .gguf file.
 
+    ``AutoTokenizer`` resolves the class from the model's config, which imports transformers'
+    model code and torch: about 3 s of every start on a small CPU, against 1 s for the
+    tokenizer itself.  The class it resolved is kept in the cache folder (keyed by the folder's
+    tokenizer and config files and the transformers version); where that was transformers'
+    generic tokenizer.json class, later loads call it directly, with the same result."""
     if path.endswith(".gguf") and os.path.isfile(path):
+        from transformers import AutoTokenizer
+
         folder, name = os.path.split(os.path.abspath(path))
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return AutoTokenizer.from_pretrained(path)
+    record = _class_record(path)
+    if record is not None and read_record(record) == {"class": _BACKEND_CLASS}:
+        import transformers
+
+        backend = getattr(transformers, _BACKEND_CLASS, None)
+        if backend is not None:
+            return backend.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if record is not None:
+        write_record(record, {"class": type(tokenizer).__name__})
+    return tokenizer
+
+
+def _class_record(path: str) -> str | None:
+    """Where the class AutoTokenizer resolves ``path`` to is recorded, or None (not a folder)."""
+    if not os.path.isdir(path):
+        return None
+    keys = []
+    for name in _TOKENIZER_FILES:
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                keys.append(name.encode() + f.read())
+        except OSError:
+            keys.append(name.encode())
+    return record_path("tokenizer-classes", *keys)
 
 
 class DeferredTokenizer:

@@ -30,22 +30,46 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 def test_rounding_is_within_half_a_step_of_each_group() -> None:
     w = _weight(37, 3 * GROUP)
     q = Int8Weight.quantize(w)
-    assert q.q.dtype == torch.int8 and q.scale.shape == (37, 3)
+    assert q.q.dtype == torch.int8 and q.scale.shape == (37, 3) and q.offset is None
     step = q.scale.repeat_interleave(GROUP, dim=1)
     assert ((q.dequantized(torch.float32) - w).abs() <= step / 2 + 1e-7).all()
     # a group's largest weight is exactly representable (scale = max / 127)
     assert torch.equal(q.q.abs().view(37, 3, GROUP).amax(dim=2), torch.full((37, 3), 127, dtype=torch.int8))
 
 
+def test_asymmetric_groups_span_their_own_range() -> None:
+    w = _weight(37, 3 * GROUP) + 0.3  # every group off-centre: symmetric steps would waste half their range
+    sym, asym = Int8Weight.quantize(w), Int8Weight.quantize(w, asymmetric=True)
+    assert asym.offset.shape == asym.scale.shape == (37, 3)
+    step = asym.scale.repeat_interleave(GROUP, dim=1)
+    err = (asym.dequantized(torch.float32) - w).abs()
+    assert (err <= step / 2 + 1e-6).all()
+    # both ends of each group are used: q spans [-128, 127]
+    groups = asym.q.view(37, 3, GROUP)
+    assert (groups.amin(dim=2) == -128).all() and (groups.amax(dim=2) == 127).all()
+    assert err.mean() < 0.6 * (sym.dequantized(torch.float32) - w).abs().mean()
+    # a grid of 4-bit steps (a Q4_1 block's values) lands on it, 17 int8 steps per 4-bit step,
+    # within the scale's rounding to 11 bits
+    d, low = 0.01, -0.05
+    q4 = torch.randint(0, 16, (3, GROUP), generator=torch.Generator().manual_seed(1))
+    q4[:, 0], q4[:, 1] = 0, 15
+    grid = low + d * q4.float()
+    q = Int8Weight.quantize(grid, asymmetric=True)
+    assert torch.equal(q.q.long(), 17 * q4 - 128)
+    torch.testing.assert_close(q.dequantized(torch.float32), grid, rtol=0, atol=0.005 * d)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("n, k", [(5, GROUP), (130, 9 * GROUP)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
-    """Every output row (NB-row tails included) and input row (MT tails) of the C++ kernel."""
-    q = Int8Weight.quantize(_weight(n, k, seed=rows))
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: torch.dtype, asymmetric: bool) -> None:
+    """Every output row (NB-row tails included) and input row (MT tails) of the C++ kernel,
+    with and without offsets."""
+    q = Int8Weight.quantize(_weight(n, k, seed=rows) + 0.1 * asymmetric, asymmetric=asymmetric)
     x = torch.randn((rows, k), generator=torch.Generator().manual_seed(7)).to(dtype)
     ref = x.float() @ q.dequantized(torch.float32).T
-    out = OPS.int8_linear(x, q.q, q.scale)
+    out = q.kernel_matmul(OPS, x)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(q.matmul(x).float(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
@@ -53,10 +77,11 @@ def test_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_dequantize_into_the_shared_buffer(dtype: torch.dtype) -> None:
-    q = Int8Weight.quantize(_weight(70, 2 * GROUP).to(dtype))
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_many_rows_dequantize_into_the_shared_buffer(dtype: torch.dtype, asymmetric: bool) -> None:
+    q = Int8Weight.quantize(_weight(70, 2 * GROUP).to(dtype), asymmetric=asymmetric)
     out = torch.empty((70, 2 * GROUP), dtype=dtype)
-    OPS.int8_dequant_(q.q, q.scale, out)
+    q.dequantize_into(out)
     assert torch.equal(out, q.dequantized(dtype))
     x = torch.randn((KERNEL_MAX_ROWS + 5, 2 * GROUP)).to(dtype)
     torch.testing.assert_close(q.matmul(x), x @ q.dequantized(dtype).T)
@@ -94,8 +119,12 @@ def test_kernel_rows_are_the_measured_ones() -> None:
 def test_kernel_rejects_bad_shapes() -> None:
     q = Int8Weight.quantize(_weight(4, GROUP))
     with pytest.raises(RuntimeError, match="scale must be"):
-        OPS.int8_linear(torch.randn(1, GROUP), q.q, q.scale[:, :0])
-    with pytest.raises(ValueError, match="divisible by 64"):
+        OPS.int8_linear(torch.randn(1, GROUP), q.q, q.scale[:, :0], torch.empty(0))
+    with pytest.raises(RuntimeError, match="offset must be empty or shaped as scale"):
+        OPS.int8_linear(torch.randn(1, GROUP), q.q, q.scale, torch.zeros(4, 2))
+    with pytest.raises(RuntimeError, match="offset must be empty or shaped as scale"):
+        OPS.int8_dequant_(q.q, q.scale, torch.zeros(3, 1), torch.empty(4, GROUP))
+    with pytest.raises(ValueError, match="divisible by 32"):
         Int8Weight.quantize(torch.randn(4, 48))
 
 

@@ -16,8 +16,8 @@ at::Tensor add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor weight
                            double eps);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate_up);
-at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale);
-void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor out);
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor offset);
+void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor offset, at::Tensor out);
 at::Tensor float_linear(at::Tensor x, at::Tensor w);
 at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out);
@@ -29,8 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place), then RMSNorm of it");
   m.def("rotary_", &rotary_, "Rotate-half RoPE of [T, heads, D], in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
-  m.def("int8_linear", &int8_linear, "x [M, K] times int8 w [N, K] with a scale per group of a row -> [M, N] float32");
-  m.def("int8_dequant_", &int8_dequant_, "out <- scale[:, None] * w (int8 [N, K]), in out's dtype");
+  m.def("int8_linear", &int8_linear, "x [M, K] times int8 w [N, K] with a scale (and an offset, or an empty tensor) per group of a row -> [M, N] float32");
+  m.def("int8_dequant_", &int8_dequant_, "out <- w * scale (+ offset), per group of a row of int8 w [N, K], in out's dtype");
   m.def("int4_linear", &int4_linear, "x [M, K] times a 4-bit weight (blocks of 32: d * q + m) -> [M, N] float32");
   m.def("int4_dequant_", &int4_dequant_, "out <- d * q + m of a 4-bit weight, in out's dtype");
   m.def("float_linear", &float_linear, "x [M, K] times w [N, K], float32 or bfloat16 -> [M, N] (few rows)");

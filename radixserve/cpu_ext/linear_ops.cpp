@@ -8,9 +8,9 @@
 // on the 2-core AVX2 CPU); this loop streams them at 18.7 GB/s (28.7 ms for 1-4 rows, 50.7 ms
 // for 8).  Bfloat16 (2-core AVX-512 BF16 CPU): torch 13 GB/s at one row, this loop 22 GB/s.
 //
-// Int8: y[m][n] = sum_k x[m][k] * w[n][k] *
-// scale[n][k / group], with w int8 (a scale per group of weights of a row) converted to float in
-// registers, so a step reads about a quarter of a float32 weight's bytes.  Rows of x are taken MT at a time and output
+// Int8: y[m][n] = sum_k x[m][k] * (w[n][k] * scale[n][k / group] + offset[n][k / group]), with w
+// int8 (a scale per group of weights of a row, and an offset per group for --quantization int8's
+// asymmetric groups; none for a GGUF's Q8_0) converted to float in registers, so a step reads about a quarter of a float32 weight's bytes.  Rows of x are taken MT at a time and output
 // rows NB at a time, so each weight vector loaded feeds MT products and each x vector NB.
 //
 // 4-bit: blocks of 32 weights along K, w = d * q + m with q in [0, 15] and d, m float16 values
@@ -61,31 +61,41 @@ inline float lane_sum(vf a) {
 }
 
 // Input rows [m, m + MT) times output rows [n, n + nb) (nb <= NB; the rows past nb repeat the
-// last one and are not written); x is float [M][K]; each row of w has K / group scales.
-template <int MT>
-inline void int8_tile(const float* x, const int8_t* w, const float* scale, float* y, int64_t K, int64_t N,
-                      int64_t group, int64_t m, int64_t n, int nb) {
+// last one and are not written); x is float [M][K]; each row of w has K / group scales, and with
+// OFFSET as many offsets: w = q * scale + offset, whose offset term is offset * (the group's sum of x).
+template <int MT, bool OFFSET>
+inline void int8_tile(const float* x, const int8_t* w, const float* scale, const float* offset, float* y,
+                      int64_t K, int64_t N, int64_t group, int64_t m, int64_t n, int nb) {
   const int64_t groups = K / group;
   const int8_t* wr[NB];
   const float* sr[NB];
+  const float* orow[NB];
   for (int i = 0; i < NB; ++i) {
-    wr[i] = w + (n + std::min(i, nb - 1)) * K;
-    sr[i] = scale + (n + std::min(i, nb - 1)) * groups;
+    const int64_t row = n + std::min(i, nb - 1);
+    wr[i] = w + row * K;
+    sr[i] = scale + row * groups;
+    orow[i] = OFFSET ? offset + row * groups : nullptr;
   }
   vf acc[MT][NB] = {};
   for (int64_t g = 0; g < groups; ++g) {
     vf part[MT][NB] = {};
+    vf xsum[MT] = {};
     for (int64_t k = g * group; k < (g + 1) * group; k += W) {
       vf wv[NB];
       for (int i = 0; i < NB; ++i) wv[i] = load_int8(wr[i] + k);
       for (int j = 0; j < MT; ++j) {
         const vf xv = loadw(x + (m + j) * K + k);
+        if (OFFSET) xsum[j] += xv;
         for (int i = 0; i < NB; ++i) part[j][i] += xv * wv[i];
       }
     }
     for (int i = 0; i < NB; ++i) {
       const float sc = sr[i][g];
       for (int j = 0; j < MT; ++j) acc[j][i] += part[j][i] * sc;
+      if (OFFSET) {
+        const float off = orow[i][g];
+        for (int j = 0; j < MT; ++j) acc[j][i] += xsum[j] * off;
+      }
     }
   }
   for (int j = 0; j < MT; ++j)
@@ -93,13 +103,14 @@ inline void int8_tile(const float* x, const int8_t* w, const float* scale, float
 }
 
 // Output rows [n0, n1) of every input row.
-void int8_rows(const float* x, const int8_t* w, const float* scale, float* y, int64_t M, int64_t K,
-               int64_t N, int64_t group, int64_t n0, int64_t n1) {
+template <bool OFFSET>
+void int8_rows(const float* x, const int8_t* w, const float* scale, const float* offset, float* y, int64_t M,
+               int64_t K, int64_t N, int64_t group, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
     int64_t m = 0;
-    for (; m + MT <= M; m += MT) int8_tile<MT>(x, w, scale, y, K, N, group, m, n, nb);
-    for (; m < M; ++m) int8_tile<1>(x, w, scale, y, K, N, group, m, n, nb);
+    for (; m + MT <= M; m += MT) int8_tile<MT, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
+    for (; m < M; ++m) int8_tile<1, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
   }
 }
 
@@ -331,42 +342,58 @@ at::Tensor float_linear(at::Tensor x, at::Tensor w) {
 // The float lanes of the vectors the kernels were built with (8: AVX2, 16: AVX-512).
 int64_t vector_width() { return W; }
 
-// x: [M, K] float32 / bfloat16 / float16; w: [N, K] int8; scale: [N, K / group] float32.  Returns [M, N]
-// float32 (the caller casts to its dtype).
-at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: w must be contiguous int8");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+// An int8 weight's scales (and offsets: an empty tensor for none) [N, K / group] float32, the
+// group a whole number of vectors; returns the group.
+static int64_t int8_group(const char* what, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), what, ": w must be contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) > 0 && K % scale.size(1) == 0 &&
                   (K / scale.size(1)) % W == 0 && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
-              "int8_linear: scale must be [N, K / group] float32, the group a multiple of ", W);
-  const int64_t group = K / scale.size(1);
+              what, ": scale must be [N, K / group] float32, the group a multiple of ", W);
+  TORCH_CHECK(offset.numel() == 0 || (offset.sizes() == scale.sizes() && offset.scalar_type() == at::kFloat &&
+                                      offset.is_contiguous()),
+              what, ": offset must be empty or shaped as scale, float32");
+  return K / scale.size(1);
+}
+
+// x: [M, K] float32 / bfloat16 / float16; w: [N, K] int8; scale and offset: see int8_group.  Returns
+// [M, N] float32 (the caller casts to its dtype).
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor offset) {
+  const int64_t group = int8_group("int8_linear", w, scale, offset);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
+  const float* op = offset.numel() ? offset.data_ptr<float>() : nullptr;
   return few_row_matmul(x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1) {
-    int8_rows(xp, wp, sp, yp, M, K, N, group, n0, n1);
+    if (op)
+      int8_rows<true>(xp, wp, sp, op, yp, M, K, N, group, n0, n1);
+    else
+      int8_rows<false>(xp, wp, sp, nullptr, yp, M, K, N, group, n0, n1);
   });
 }
 
-// out[n][k] = scale[n][k / group] * w[n][k] in out's dtype (float32 / bfloat16 / float16): the weight of a
-// many-row matmul, written into a scratch buffer the caller keeps.
-void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor out) {
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && out.is_contiguous() &&
-                  out.sizes() == w.sizes() && scale.scalar_type() == at::kFloat && scale.dim() == 2 &&
-                  scale.size(0) == w.size(0) && scale.size(1) > 0 && w.size(1) % scale.size(1) == 0 &&
-                  (w.size(1) / scale.size(1)) % W == 0,
-              "int8_dequant_: w [N, K] int8, scale [N, K / group] float32, out [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), group = K / scale.size(1);
+// out[n][k] = scale[n][k / group] * w[n][k] (+ offset[n][k / group]) in out's dtype (float32 /
+// bfloat16 / float16): the weight of a many-row matmul, written into a scratch buffer the caller keeps.
+void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor offset, at::Tensor out) {
+  const int64_t group = int8_group("int8_dequant_", w, scale, offset);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == w.sizes(), "int8_dequant_: out must be contiguous [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
+  const float* offp = offset.numel() ? offset.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int8_dequant_", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const int8_t* src = wp + n * K;
         const float* sc = sp + n * (K / group);
+        const float* off = offp ? offp + n * (K / group) : nullptr;
         scalar_t* dst = op + n * K;
-        for (int64_t k = 0; k < K; k += W) store_elems(dst + k, load_int8(src + k) * sc[k / group]);
+        for (int64_t k = 0; k < K; k += W) {
+          const vf v = load_int8(src + k) * sc[k / group];
+          store_elems(dst + k, off ? v + off[k / group] : v);
+        }
       }
     });
   });

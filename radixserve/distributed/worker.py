@@ -118,6 +118,7 @@ def run_tp_worker_process(args: ServerArgs, model_path: str, rank: int, folder: 
         exit_on_sigterm,
         ignore_interrupts,
         parent_alive,
+        wait_for_input,
     )
 
     ignore_interrupts()
@@ -153,7 +154,7 @@ def run_tp_worker_process(args: ServerArgs, model_path: str, rank: int, folder: 
         if not parent_alive(parent):
             logger.info("launcher is gone; tensor-parallel rank %d exits", rank)
             return
-        if not sock.poll(1000):
+        if not wait_for_input(sock, 1000):
             continue
         frames = sock.recv_multipart()
         if frames[0] == STOP:

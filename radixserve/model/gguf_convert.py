@@ -19,8 +19,6 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
 
-import torch
-from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +95,9 @@ def _quiet_transformers() -> Iterator[None]:
 
 def convert_gguf(gguf_path: str, target: str) -> None:
     """Dequantize ``gguf_path`` through transformers and write an HF folder at ``target``."""
+    import torch
     from safetensors.torch import save_file
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isfile(gguf_path):

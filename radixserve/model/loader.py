@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import logging
 import os
@@ -14,11 +13,14 @@ from typing import Any
 
 import torch
 
+from radixserve.config import resolve_quantization
 from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.model import get_model_class
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder import CausalLM
-from radixserve.quantization import quantize_model, resolve_quantization
+from radixserve.model.default_model import resolve_model_path
+from radixserve.model.records import read_record, record_path, write_record
+from radixserve.quantization import quantize_model
 
 
 @dataclass
@@ -37,51 +39,16 @@ def read_config(folder: str) -> Any:
     attributes read by ``getattr``.  transformers' import takes seconds of every start, so the
     resolved attributes are kept in the cache folder, keyed by the config.json bytes and the
     transformers version, and later starts read them back without importing it."""
-    from importlib.metadata import version
-
-    from radixserve.model.gguf_convert import cache_root
-
     with open(os.path.join(folder, "config.json"), "rb") as f:
-        raw = f.read()
-    key = hashlib.sha256(raw + version("transformers").encode()).hexdigest()[:20]
-    saved = os.path.join(cache_root(), "configs", f"{key}.json")
-    try:
-        with open(saved, "rb") as f:
-            return SimpleNamespace(**json.loads(f.read()))
-    except (OSError, ValueError):
-        pass
+        saved = record_path("configs", f.read())
+    attributes = read_record(saved)
+    if isinstance(attributes, dict):
+        return SimpleNamespace(**attributes)
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(folder)
-    try:
-        os.makedirs(os.path.dirname(saved), exist_ok=True)
-        tmp = f"{saved}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(hf_config.to_dict(), f)
-        os.replace(tmp, saved)
-    except (OSError, TypeError, ValueError) as e:  # a read-only cache or an odd attribute: read it next time too
-        log.debug("could not keep the resolved config of %s: %s", folder, e)
+    write_record(saved, hf_config.to_dict())
     return hf_config
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    """The HF folder to load: the default model, a converted GGUF, or ``model_path`` itself."""
-    from radixserve.model.default_model import default_model_path
-    from radixserve.model.gguf_convert import ensure_converted, gguf_cache_path
-
-    if model_path is None:
-        return default_model_path()
-    path = os.path.expanduser(model_path)
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return ensure_converted(path, gguf_cache_path(path))
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"{path} has no config.json; not a Hugging Face model folder")
-        return path
-    raise FileNotFoundError(
-        f"model path {model_path!r} is neither a model folder nor a .gguf file "
-        "(models are never downloaded; pass a local path)"
-    )
 
 
 def _safetensors_files(folder: str) -> list[str]:
@@ -123,12 +90,14 @@ def load_model(
     cls = get_model_class(config.architecture)
     with torch.device("meta"):  # no random init: every parameter is overwritten below
         model = cls(config, hf_config, tp)
-    model = model.to(dtype).to_empty(device=device)
+    # nn.Module.to_empty's empty_like on meta tensors runs torch's Python reference, whose
+    # import (sympy) took 0.7 s of every start; the parameters are contiguous, so torch.empty.
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if load_format == "dummy":
         random_weights(model)
     else:
         model.load_weights(iter_safetensors(folder, dtype))
-    from radixserve.quantization.gguf_blocks import gguf_source
+    from radixserve.model.gguf_index import gguf_source
 
     gguf_path = None if load_format == "dummy" else gguf_path or gguf_source(model_path)
     quantization = resolve_quantization(quantization, gguf_path, torch.device(device).type == "cpu", tp.size)

