@@ -70,8 +70,10 @@ def test_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: 
     x = torch.randn((rows, k), generator=torch.Generator().manual_seed(7)).to(dtype)
     ref = x.float() @ q.dequantized(torch.float32).T
     out = q.kernel_matmul(OPS, x)
-    assert out.shape == (rows, n) and out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    sums = q.kernel_matmul(OPS, x.float())  # the same products, in float32
+    assert out.shape == (rows, n) and out.dtype == dtype and sums.dtype == torch.float32
+    torch.testing.assert_close(sums, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, sums.to(dtype))  # x's dtype: each float32 sum rounded once
     torch.testing.assert_close(q.matmul(x).float(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 

@@ -56,8 +56,10 @@ def test_int4_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dt
     x = torch.randn((rows, k), generator=torch.Generator().manual_seed(7)).to(dtype)
     ref = x.double() @ q.dequantized(torch.float32).double().T
     out = OPS.int4_linear(x, q.qs, q.d, q.m)
-    assert out.shape == (rows, n) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    sums = OPS.int4_linear(x.float(), q.qs, q.d, q.m)  # the same products, in float32
+    assert out.shape == (rows, n) and out.dtype == dtype and sums.dtype == torch.float32
+    torch.testing.assert_close(sums.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, sums.to(dtype))  # x's dtype: each float32 sum rounded once
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(linear(x, q).double(), ref, rtol=tol, atol=tol)
 

@@ -29,9 +29,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place), then RMSNorm of it");
   m.def("rotary_", &rotary_, "Rotate-half RoPE of [T, heads, D], in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
-  m.def("int8_linear", &int8_linear, "x [M, K] times int8 w [N, K] with a scale (and an offset, or an empty tensor) per group of a row -> [M, N] float32");
+  m.def("int8_linear", &int8_linear, "x [M, K] times int8 w [N, K] with a scale (and an offset, or an empty tensor) per group of a row -> [M, N] in x's dtype");
   m.def("int8_dequant_", &int8_dequant_, "out <- w * scale (+ offset), per group of a row of int8 w [N, K], in out's dtype");
-  m.def("int4_linear", &int4_linear, "x [M, K] times a 4-bit weight (blocks of 32: d * q + m) -> [M, N] float32");
+  m.def("int4_linear", &int4_linear, "x [M, K] times a 4-bit weight (blocks of 32: d * q + m) -> [M, N] in x's dtype");
   m.def("int4_dequant_", &int4_dequant_, "out <- d * q + m of a 4-bit weight, in out's dtype");
   m.def("float_linear", &float_linear, "x [M, K] times w [N, K], float32 or bfloat16 -> [M, N] (few rows)");
   m.def("vector_width", &vector_width, "float lanes of the kernels' vectors (8: AVX2, 16: AVX-512)");

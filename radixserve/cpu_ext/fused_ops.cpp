@@ -99,7 +99,9 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
               "rotary_: cos/sin must be contiguous [T, D]");
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   const int64_t row_stride = x.stride(0);
-  auto c32 = cos.to(at::kFloat), s32 = sin.to(at::kFloat);
+  // float32 cos / sin are read in place (the model passes them so); others converted here
+  const bool as_is = cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat;
+  const at::Tensor c32 = as_is ? cos : cos.to(at::kFloat), s32 = as_is ? sin : sin.to(at::kFloat);
   const float* cp = c32.data_ptr<float>();
   const float* sp = s32.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_", [&] {

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "vec.h"
 
@@ -303,16 +304,45 @@ inline void store_elems(T* dst, vf v) {
   }
 }
 
-// x as float32 rows and a float32 [M, N] result, ``rows(x, y, n0, n1)`` run over chunks of output
-// rows on the threads (a multiple of NB each, enough of them to share the threads).
+// x's rows as float32 (x itself when it is float32 and contiguous).
+inline const float* rows_as_float(const at::Tensor& x, std::vector<float>& buf) {
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
+  buf.resize(xc.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rows_as_float", [&] {
+    const scalar_t* src = xc.data_ptr<scalar_t>();
+    for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(src[i]);
+  });
+  return buf.data();
+}
+
+// ``rows(x, y, n0, n1)`` run over chunks of output rows on the threads (a multiple of NB each,
+// enough of them to share the threads), on x's rows as float32 into float32 sums; returns [M, N]
+// in x's dtype, each sum rounded once (c10's round-to-nearest-even, as torch's conversion).  The
+// conversions are loops here, not ATen ops: two of those per matmul cost ~1.5 ms of a one-row
+// decode step of the default model.
 template <typename Rows>
 at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
-  auto xf = x.to(at::kFloat).contiguous();
-  auto y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
-    rows(xp, yp, b0 * NB, std::min(N, b1 * NB));
+  std::vector<float> xbuf;
+  const float* xp = rows_as_float(x, xbuf);
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
+      rows(xp, yp, b0 * NB, std::min(N, b1 * NB));
+    });
+    return y;
+  }
+  std::vector<float> sums(M * N);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "few_row_matmul", [&] {
+    scalar_t* dst = y.data_ptr<scalar_t>();
+    at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
+      const int64_t n0 = b0 * NB, n1 = std::min(N, b1 * NB);
+      rows(xp, sums.data(), n0, n1);
+      for (int64_t m = 0; m < M; ++m)  // this thread's columns, while they are in its cache
+        for (int64_t n = n0; n < n1; ++n) dst[m * N + n] = static_cast<scalar_t>(sums[m * N + n]);
+    });
   });
   return y;
 }
@@ -329,14 +359,17 @@ at::Tensor float_linear(at::Tensor x, at::Tensor w) {
                   x.is_contiguous() && w.is_contiguous(),
               "float_linear: contiguous x and w, both float32 or both bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto y = at::empty({M, N}, x.options());
   if (!bf16) {
     dot_linear<FloatDot>(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
     return y;
   }
+  std::vector<float> sums(M * N);
   dot_linear<Bf16Dot>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-                      reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), y.data_ptr<float>(), M, K, N);
-  return y.to(at::kBFloat16);
+                      reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), sums.data(), M, K, N);
+  at::BFloat16* dst = y.data_ptr<at::BFloat16>();
+  for (size_t i = 0; i < sums.size(); ++i) dst[i] = static_cast<at::BFloat16>(sums[i]);  // rounded once
+  return y;
 }
 
 // The float lanes of the vectors the kernels were built with (8: AVX2, 16: AVX-512).
@@ -357,7 +390,7 @@ static int64_t int8_group(const char* what, const at::Tensor& w, const at::Tenso
 }
 
 // x: [M, K] float32 / bfloat16 / float16; w: [N, K] int8; scale and offset: see int8_group.  Returns
-// [M, N] float32 (the caller casts to its dtype).
+// [M, N] in x's dtype.
 at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor offset) {
   const int64_t group = int8_group("int8_linear", w, scale, offset);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
@@ -415,7 +448,7 @@ void check_int4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& min
 }  // namespace
 
 // x: [M, K] float32 / bfloat16 / float16; the weight [N, K] in 4-bit blocks of 32 (w = d * q + m):
-// qs [N, K / 2] uint8, d and mins [N, K / 32] float32 (float16 values).  Returns [M, N] float32.
+// qs [N, K / 2] uint8, d and mins [N, K / 32] float32 (float16 values).  Returns [M, N] in x's dtype.
 at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins) {
   TORCH_CHECK(x.dim() == 2, "int4_linear: x [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);

@@ -113,19 +113,24 @@ class RotaryEmbedding:
         self.inv_freq = _inv_freq(head_dim, rope)  # kept off the module: never a meta tensor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``cos`` and ``sin`` [T, 1, D] rounded to ``dtype`` as the reference rounds them; on a
+        CPU held in float32, which the C++ rotation reads as they are (a conversion per layer
+        and projection cost ~0.5 ms of a one-row decode step; the torch path casts back)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2] float32
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return (cos.float(), sin.float()) if positions.device.type == "cpu" else (cos, sin)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x``: [T, heads, D]; ``cos``/``sin``: [T, 1, D].  May rotate ``x`` in place."""
+        """``x``: [T, heads, D]; ``cos``/``sin``: [T, 1, D] from :meth:`cos_sin`.  May rotate
+        ``x`` in place."""
         ops = fused_ops(x)
         if ops is not None and x.stride(-1) == 1 and x.stride(1) == x.shape[-1]:
             ops.rotary_(x, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
             return x
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

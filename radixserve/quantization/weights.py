@@ -31,7 +31,7 @@ class QuantizedWeight:
         out.copy_(self.dequantized(out.dtype))
 
     def kernel_matmul(self, ops: object, x: torch.Tensor) -> torch.Tensor:
-        """``x @ w.T`` for a few rows through the C++ kernel, as float32."""
+        """``x @ w.T`` for a few rows through the C++ kernel, in x's dtype (float32 sums rounded once)."""
         raise NotImplementedError
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ class QuantizedWeight:
         if ops is None:
             return F.linear(x, self.dequantized(x.dtype))
         if x.shape[0] <= KERNEL_MAX_ROWS:
-            return self.kernel_matmul(ops, x).to(x.dtype)
+            return self.kernel_matmul(ops, x)
         weight = _scratch(self.shape, x.dtype)
         self.dequantize_into(weight)
         return float_linear(x, weight)
