@@ -104,11 +104,25 @@ inline void int8_tile(const float* x, const int8_t* w, const float* scale, const
 }
 
 // Output rows [n0, n1) of every input row.
+// Asks for the bytes [p, p + bytes) ahead of their use.
+inline void prefetch_range(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 template <bool OFFSET>
 void int8_rows(const float* x, const int8_t* w, const float* scale, const float* offset, float* y, int64_t M,
                int64_t K, int64_t N, int64_t group, int64_t n0, int64_t n1) {
+  const int64_t groups = K / group;
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
+    // the next tile's rows, asked for ahead (as int4_rows does)
+    const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb);
+    if (ahead > 0) {
+      prefetch_range(w + (n + nb) * K, ahead * K);
+      prefetch_range(scale + (n + nb) * groups, ahead * groups * 4);
+      if (OFFSET) prefetch_range(offset + (n + nb) * groups, ahead * groups * 4);
+    }
     int64_t m = 0;
     for (; m + MT <= M; m += MT) int8_tile<MT, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
     for (; m < M; ++m) int8_tile<1, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
@@ -181,11 +195,6 @@ inline void int4_tile(const float* x, const uint8_t* qs, const float* d, const f
     for (int i = 0; i < nb; ++i) y[(m + j) * N + n + i] = lane_sum(acc[j][i]);
 }
 
-// Asks for the bytes [p, p + bytes) ahead of their use.
-inline void prefetch_range(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
 
 void int4_rows(const float* x, const uint8_t* qs, const float* d, const float* mins, float* y, int64_t M,
                int64_t K, int64_t N, int64_t n0, int64_t n1) {
