@@ -1,6 +1,6 @@
 """Serving comparison: a matrix of radixserve servers, started here, under one workload.
 
-For each server configuration (radix cache on/off x schedule policy) this starts
+For each server configuration (radix cache on/off x schedule policy x schedule mode) this starts
 ``radixserve serve`` on a free port, waits for ``/health``, and runs ``bench/serving.py``
 once per concurrency level (warm-up, ``/flush_cache``, timed run, so each run starts from a
 cold cache), then stops the server. One workload, built once, serves every run. It writes one
@@ -11,6 +11,7 @@ Flags not listed below are ``bench/serving.py``'s (workload, sizes, traffic, req
 
     python bench/compare.py -G 4 -P 16 -S 1024 -Q 48 -O 32 --radix on,off --policies lpm
     python bench/compare.py --workload multi-turn -C 8 -T 4 --concurrency all,4 --policies lpm,fcfs
+    python bench/compare.py --radix on --schedule-modes mixed,prefill-first --request-rate 2 ...
     radixserve bench compare --model ./tiny --server-args "--context-length 2048" -G 2 -P 2
 """
 
@@ -30,6 +31,7 @@ if str(REPO) not in sys.path:  # run as a script from a source checkout
 
 from bench import serving  # noqa: E402
 from bench.common import Launched, free_port, machine_info, target_lines, write_json  # noqa: E402
+from radixserve.config import SCHEDULE_MODES  # noqa: E402
 
 POLICIES = ("lpm", "fcfs")
 TARGET_HIT_RATE = 0.85  # shared-prefix, radix on
@@ -50,14 +52,14 @@ class Server(Launched):
         super().__init__("radixserve", cmd, port, startup_timeout, env)
 
 
-def server_flags(radix: str, policy: str, extra: list[str]) -> list[str]:
-    flags = ["--schedule-policy", policy, *extra]
+def server_flags(radix: str, policy: str, extra: list[str], mode: str = "mixed") -> list[str]:
+    flags = ["--schedule-policy", policy, "--schedule-mode", mode, *extra]
     return flags + ["--disable-radix-cache"] if radix == "off" else flags
 
 
 # ---- the matrix ---------------------------------------------------------------------------
 def run_matrix(args: argparse.Namespace, serving_argv: list[str]) -> list[dict[str, Any]]:
-    """Every (radix, policy) server x concurrency level; one row per timed run."""
+    """Every (radix, policy, schedule mode) server x concurrency level; one row per timed run."""
     from radixserve.tokenizer import load_tokenizer
 
     model_path = args.model
@@ -70,34 +72,36 @@ def run_matrix(args: argparse.Namespace, serving_argv: list[str]) -> list[dict[s
     tokenizer = load_tokenizer(base.tokenizer)
     jobs, workload = serving.build_jobs(base, tokenizer)
     print(f"{workload['name']}: {workload['requests']} requests per run; "
-          f"{len(args.radix) * len(args.policies) * len(args.concurrency)} runs", flush=True)
+          f"{len(args.radix) * len(args.policies) * len(args.schedule_modes) * len(args.concurrency)} runs",
+          flush=True)
     rows = []
-    for radix in args.radix:
-        for policy in args.policies:
-            label = f"radix {radix}, {policy}"
-            print(f"[{label}] starting the server ...", flush=True)
-            t0 = time.perf_counter()
-            server = Server(args.model, server_flags(radix, policy, args.server_args), args.startup_timeout)
-            try:
-                start_s = time.perf_counter() - t0
-                for concurrency in args.concurrency:
-                    run_args = serving.parse_args(
-                        serving_argv + ["--tokenizer", base.tokenizer, "--base-url", server.base_url],
-                        prog="compare.py")
-                    run_args.max_concurrency = concurrency
-                    run_args.disable_tqdm = args.disable_tqdm
-                    report, _ = serving.run_benchmark(run_args, jobs, workload, tokenizer)
-                    print(serving.format_report(report), flush=True)
-                    rows.append({"radix": radix, "policy": policy, "concurrency": concurrency,
-                                 "label": label, "server_start_s": start_s,
-                                 "server_cmd": server.cmd, "report": report})
-            finally:
-                code = server.stop()
-            if code == 0:
-                os.unlink(server.log_path)
-            else:  # keep the log for the post-mortem
-                print(f"[{label}] warning: the server exited with {code}; log {server.log_path}",
-                      flush=True)
+    servers = [(radix, policy, mode) for radix in args.radix for policy in args.policies
+               for mode in args.schedule_modes]
+    for radix, policy, mode in servers:
+        label = f"radix {radix}, {policy}" + (f", {mode}" if len(args.schedule_modes) > 1 else "")
+        print(f"[{label}] starting the server ...", flush=True)
+        t0 = time.perf_counter()
+        server = Server(args.model, server_flags(radix, policy, args.server_args, mode), args.startup_timeout)
+        try:
+            start_s = time.perf_counter() - t0
+            for concurrency in args.concurrency:
+                run_args = serving.parse_args(
+                    serving_argv + ["--tokenizer", base.tokenizer, "--base-url", server.base_url],
+                    prog="compare.py")
+                run_args.max_concurrency = concurrency
+                run_args.disable_tqdm = args.disable_tqdm
+                report, _ = serving.run_benchmark(run_args, jobs, workload, tokenizer)
+                print(serving.format_report(report), flush=True)
+                rows.append({"radix": radix, "policy": policy, "schedule_mode": mode, "concurrency": concurrency,
+                             "label": label, "server_start_s": start_s,
+                             "server_cmd": server.cmd, "report": report})
+        finally:
+            code = server.stop()
+        if code == 0:
+            os.unlink(server.log_path)
+        else:  # keep the log for the post-mortem
+            print(f"[{label}] warning: the server exited with {code}; log {server.log_path}",
+                  flush=True)
     return rows
 
 
@@ -106,8 +110,8 @@ def check_targets(rows: list[dict[str, Any]], workload: str) -> list[dict[str, A
     if workload != "shared-prefix":
         return []
     checks = []
-    by = {(r["radix"], r["policy"], r["concurrency"]): r for r in rows}
-    for (radix, policy, conc), row in by.items():
+    by = {(r["radix"], r["policy"], r.get("schedule_mode", "mixed"), r["concurrency"]): r for r in rows}
+    for (radix, policy, mode, conc), row in by.items():
         if radix != "on":
             continue
         s = row["report"]["summary"]
@@ -115,7 +119,7 @@ def check_targets(rows: list[dict[str, Any]], workload: str) -> list[dict[str, A
         checks.append({"run": f"{policy} c={conc or 'all'}", "target": "radix-on hit rate >=",
                        "limit": TARGET_HIT_RATE, "value": hit,
                        "ok": None if hit is None else hit >= TARGET_HIT_RATE})
-        off = by.get(("off", policy, conc))
+        off = by.get(("off", policy, mode, conc))
         ratio = None
         if off:
             on_ttft, off_ttft = s["ttft_ms"]["p50"], off["report"]["summary"]["ttft_ms"]["p50"]
@@ -132,17 +136,18 @@ def _ms(d: dict[str, Any], q: str) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    header = ("radix", "policy", "concurrency", "ok / failed", "duration s", "req/s", "out tok/s",
-              "hit rate", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "ITL p50 ms", "E2E p50 ms")
+    header = ("radix", "policy", "schedule", "concurrency", "ok / failed", "duration s", "req/s", "out tok/s",
+              "hit rate", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "ITL p50 ms", "ITL p99 ms", "E2E p50 ms")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         s = r["report"]["summary"]
         hit = s["server_cache_hit_rate"] if s["server_cache_hit_rate"] is not None else s["cache_hit_rate"]
         cells = (
-            r["radix"], r["policy"], str(r["concurrency"] or "all"), f"{s['completed']} / {s['failed']}",
+            r["radix"], r["policy"], r.get("schedule_mode", "mixed"), str(r["concurrency"] or "all"),
+            f"{s['completed']} / {s['failed']}",
             f"{s['duration_s']:.1f}", f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
             "n/a" if hit is None else f"{hit:.1%}", _ms(s["ttft_ms"], "p50"), _ms(s["ttft_ms"], "p99"),
-            _ms(s["tpot_ms"], "p50"), _ms(s["itl_ms"], "p50"), _ms(s["e2e_ms"], "p50"),
+            _ms(s["tpot_ms"], "p50"), _ms(s["itl_ms"], "p50"), _ms(s["itl_ms"], "p99"), _ms(s["e2e_ms"], "p50"),
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -234,6 +239,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> tuple[
                    help="radix cache settings to run (default: on,off)")
     p.add_argument("--policies", type=lambda t: _choices(t, POLICIES, "--policies"), default=["lpm"],
                    help="schedule policies to run, e.g. lpm,fcfs (default: lpm)")
+    p.add_argument("--schedule-modes", type=lambda t: _choices(t, SCHEDULE_MODES, "--schedule-modes"),
+                   default=["mixed"], help="schedule modes to run, e.g. mixed,prefill-first (default: mixed)")
     p.add_argument("--concurrency", type=_concurrency, default=[None],
                    help="max-concurrency levels, 'all' = unlimited (default: all)")
     p.add_argument("--model", default=None, help="model the servers load (default: the embedded one)")
@@ -269,7 +276,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     report = {
         "benchmark": "serving_compare",
         "machine": machine,
-        "matrix": {"radix": args.radix, "policies": args.policies, "concurrency": args.concurrency,
+        "matrix": {"radix": args.radix, "policies": args.policies, "schedule_modes": args.schedule_modes,
+                   "concurrency": args.concurrency,
                    "model": args.model or "default (SmolLM2-135M-Instruct)",
                    "server_args": args.server_args, "serving_args": serving_argv},
         "workload": first["workload"],

@@ -29,6 +29,9 @@ _HELP = {
     "schedule_policy": "waiting-queue order: lpm (longest cached prefix first), dfs-weight (finish one tree branch "
                        "while cached), fcfs, lof (longest output first), random, priority (the request's priority)",
     "schedule_policy_max_queue": "lpm and dfs-weight act as fcfs above this many waiting requests",
+    "schedule_mode": "mixed (default): each step runs the running requests' decodes together with the next "
+                     "prefill chunk; prefill-first: a step with prompt work runs it alone and the decodes wait "
+                     "(lower TTFT under arrivals, longer gaps between a stream's tokens)",
     "schedule_low_priority_values_first": "priority policy: smaller priority values go first (vLLM's order; "
                                           "default: larger first, as SGLang)",
     "priority_preemption": "priority policy: retract running requests of lower priority when a waiting one "

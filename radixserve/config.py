@@ -12,6 +12,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")  # scheduler/policy.py
+SCHEDULE_MODES = ("mixed", "prefill-first")  # scheduler/scheduler.py: Scheduler.step
 _EVICTION_POLICIES = ("lru", "lfu", "slru")  # cache/radix_tree.py
 _BACKENDS = ("auto", "torch", "triton")
 _GRAMMAR_BACKENDS = ("xgrammar", "none")
@@ -107,6 +108,7 @@ class ServerArgs:
     chunked_prefill_size: int | None = None  # longest prefill chunk; 1024 on CPU, 8192 on GPU; -1 off
     schedule_policy: str = "lpm"  # lpm, dfs-weight, fcfs, lof, random, priority (scheduler/policy.py)
     schedule_policy_max_queue: int = 128  # lpm/dfs-weight act as fcfs above this many waiting requests
+    schedule_mode: str = "mixed"  # mixed: decodes share each step with a prefill chunk; prefill-first: prompts alone
     schedule_low_priority_values_first: bool = False  # priority policy: smaller values first (vLLM's order)
     priority_preemption: bool = False  # priority policy: retract lower levels for a waiting request
     radix_eviction_policy: str = "lru"  # lru, lfu or slru (scan resistant)
@@ -150,6 +152,8 @@ class ServerArgs:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.schedule_policy not in _POLICIES:
             raise ValueError(f"schedule_policy must be one of {_POLICIES}, got {self.schedule_policy!r}")
+        if self.schedule_mode not in SCHEDULE_MODES:
+            raise ValueError(f"schedule_mode must be one of {SCHEDULE_MODES}, got {self.schedule_mode!r}")
         if self.radix_eviction_policy not in _EVICTION_POLICIES:
             raise ValueError(f"radix_eviction_policy must be one of {_EVICTION_POLICIES}, "
                              f"got {self.radix_eviction_policy!r}")

@@ -15,6 +15,7 @@ from helpers.model_runner import ModelRunner
 
 from radixserve import cpu_ext
 from radixserve.config import ServerArgs
+from radixserve.model.gguf_index import gguf_source, read_gguf_index, served_tensor_count
 from radixserve.model.loader import load_model
 from radixserve.quantization import (
     BLOCK4,
@@ -24,7 +25,6 @@ from radixserve.quantization import (
     QuantizedWeight,
     linear,
 )
-from radixserve.model.gguf_index import gguf_source, read_gguf_index, served_tensor_count
 
 OPS = cpu_ext.load()
 

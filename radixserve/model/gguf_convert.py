@@ -19,7 +19,6 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
 
-
 logger = logging.getLogger(__name__)
 
 _REQUIRED_FILES = ("config.json", "model.safetensors")

@@ -17,7 +17,6 @@ orders are tried: other architectures are stored as they are).
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from collections.abc import Iterator
 

@@ -169,8 +169,8 @@ def run_scheduler_process(
 
         from radixserve.distributed.group import SINGLE, init_group, rank_device
         from radixserve.distributed.worker import WorkerLink, rank_threads, share_setup
-        from radixserve.model.loader import load_model
         from radixserve.model.gguf_index import gguf_source
+        from radixserve.model.loader import load_model
         from radixserve.scheduler.scheduler import Scheduler
         from radixserve.tokenizer import DeferredTokenizer, load_decoder
 

@@ -312,8 +312,15 @@ class Scheduler:
                 self.kv.prefetch(req)
 
         decodes = list(self.running)
-        drafted = self.spec.propose(decodes, self.kv, self.context_len) if self.spec is not None else 0
-        plan = self._plan_prefill(len(decodes) + drafted)
+        plan = None
+        if self.args.schedule_mode == "prefill-first":
+            # prompt work runs alone (a whole budget of it); the decodes wait until none is left
+            plan = self._plan_prefill(0)
+            if plan:
+                decodes = []
+        drafted = self.spec.propose(decodes, self.kv, self.context_len) if self.spec is not None and decodes else 0
+        if plan is None:
+            plan = self._plan_prefill(len(decodes) + drafted)
         # A decode computes its sampled token, plus the text a grammar forced after it, plus
         # its speculative drafts.
         entries = [(r, r.remaining_extend + num_drafts(r)) for r in decodes] + plan
