@@ -32,6 +32,7 @@ def ignore_interrupts() -> None:
 
 _SIGTERM_HOOKS: list[Callable[[], None]] = []
 _SIGNAL_WAKEUP: list[int] = []  # the read end of the signal wake-up pipe, once set
+_POLLERS: dict[zmq.Socket, zmq.Poller] = {}  # wait_for_input's, by socket
 
 
 def on_sigterm(hook: Callable[[], None]) -> None:
@@ -72,9 +73,11 @@ def wait_for_input(sock: zmq.Socket, timeout_ms: int) -> bool:
     handler runs at once: the launcher's SIGTERM stops an idle process in milliseconds."""
     if not _SIGNAL_WAKEUP:
         return bool(sock.poll(timeout_ms))
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(_SIGNAL_WAKEUP[0], zmq.POLLIN)
+    poller = _POLLERS.get(sock)
+    if poller is None:  # one per socket: the detokenizer and TP ranks wait once per step
+        poller = _POLLERS[sock] = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(_SIGNAL_WAKEUP[0], zmq.POLLIN)
     ready = dict(poller.poll(timeout_ms))
     if _SIGNAL_WAKEUP[0] in ready:
         with contextlib.suppress(OSError):

@@ -26,6 +26,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -343,12 +344,12 @@ at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
     });
     return y;
   }
-  std::vector<float> sums(M * N);
+  std::unique_ptr<float[]> sums(new float[M * N]);  // every element written by rows(): no zero fill
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "few_row_matmul", [&] {
     scalar_t* dst = y.data_ptr<scalar_t>();
     at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
       const int64_t n0 = b0 * NB, n1 = std::min(N, b1 * NB);
-      rows(xp, sums.data(), n0, n1);
+      rows(xp, sums.get(), n0, n1);
       for (int64_t m = 0; m < M; ++m)  // this thread's columns, while they are in its cache
         for (int64_t n = n0; n < n1; ++n) dst[m * N + n] = static_cast<scalar_t>(sums[m * N + n]);
     });
@@ -373,11 +374,11 @@ at::Tensor float_linear(at::Tensor x, at::Tensor w) {
     dot_linear<FloatDot>(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
     return y;
   }
-  std::vector<float> sums(M * N);
+  std::unique_ptr<float[]> sums(new float[M * N]);  // every element written by dot_linear
   dot_linear<Bf16Dot>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-                      reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), sums.data(), M, K, N);
+                      reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), sums.get(), M, K, N);
   at::BFloat16* dst = y.data_ptr<at::BFloat16>();
-  for (size_t i = 0; i < sums.size(); ++i) dst[i] = static_cast<at::BFloat16>(sums[i]);  // rounded once
+  for (int64_t i = 0; i < M * N; ++i) dst[i] = static_cast<at::BFloat16>(sums[i]);  // rounded once
   return y;
 }
 
