@@ -13,6 +13,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")  # scheduler/policy.py
 SCHEDULE_MODES = ("mixed", "prefill-first")  # scheduler/scheduler.py: Scheduler.step
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # cache/kv_pool.py
 _EVICTION_POLICIES = ("lru", "lfu", "slru")  # cache/radix_tree.py
 _BACKENDS = ("auto", "torch", "triton")
 _GRAMMAR_BACKENDS = ("xgrammar", "none")
@@ -132,6 +133,7 @@ class ServerArgs:
     random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
     stream_interval: int = 1  # send streamed tokens every N decode steps
     kv_cache_memory_fraction: float = 0.25  # of free host/GPU memory, when max_total_tokens is None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 (a scale per token and head), fp8_e4m3, fp8_e5m2
     log_level: str = "info"
     host: str = "127.0.0.1"  # HTTP server address
     port: int = 30000  # HTTP server port
@@ -152,6 +154,8 @@ class ServerArgs:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.schedule_policy not in _POLICIES:
             raise ValueError(f"schedule_policy must be one of {_POLICIES}, got {self.schedule_policy!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.schedule_mode not in SCHEDULE_MODES:
             raise ValueError(f"schedule_mode must be one of {SCHEDULE_MODES}, got {self.schedule_mode!r}")
         if self.radix_eviction_policy not in _EVICTION_POLICIES:

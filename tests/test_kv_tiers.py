@@ -11,21 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.oracle import hf_greedy
-from helpers.sched_driver import make_scheduler, run_until_idle, submit
+from helpers.sched_driver import make_scheduler, run_one, run_until_idle, submit
+from helpers.sched_driver import random_prompts as prompts
 
 from radixserve.cache.radix_tree import HOST
 from radixserve.cache.tiers import ReqTiers
 from radixserve.cache.tiers.disk import SUFFIX
-
-
-def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(6, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def run_one(sched, prompt: list[int], n: int = 8) -> dict:
-    rid = submit(sched, prompt, max_new_tokens=n, ignore_eos=True)
-    return run_until_idle(sched)[rid]
 
 
 def flood(sched, count: int, length: int, seed: int) -> None:

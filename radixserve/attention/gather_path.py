@@ -35,6 +35,7 @@ from radixserve.attention.shared_prefix import SharedPrefixDecode, find_shared_p
 
 if TYPE_CHECKING:
     from radixserve.batch import ForwardBatch
+    from radixserve.cache.kv_pool import KVPool
 
 # Target size of the gathered K+V of one decode chunk (bytes, float32 of the default model's
 # geometry).  Measured on a 2-core EPYC: chunks of ~4 requests x 1100 tokens beat one big
@@ -212,7 +213,9 @@ class GatherPath:
             max_extend=max_extend,
             max_len=max_len,
         )
-        if len(rows) > 1 or pre[0] > 0:  # otherwise one fresh prompt: plain causal attention
+        # One fresh prompt over a pool in the model's dtype: plain causal attention over this
+        # step's k/v.  An 8-bit pool is read back (every path attends over the stored values).
+        if len(rows) > 1 or pre[0] > 0 or fb.kv_pool.quantized:
             group.table_rows = upload.add(fb.rows_cpu[rows])
             group.prefix_lens = upload.add(pre)
             group.seq_lens = upload.add(pre + ext)
@@ -239,25 +242,24 @@ class GatherPath:
     ) -> torch.Tensor:
         """Attend; ``k``/``v`` are already stored in the pool."""
         meta: TorchAttentionMetadata = fb.attn_metadata
-        k_pool, v_pool = fb.kv_pool.get_kv(layer.layer_id)
+        pool = fb.kv_pool
         num_tokens = q.shape[0]
         width = layer.num_heads * layer.head_dim
         if meta.single_group:
             if meta.decode is not None:
-                return self._decode(q, k_pool, v_pool, layer, meta.decode)
-            return self._extend(q, k, v, k_pool, v_pool, layer, meta.extend[0])
+                return self._decode(q, pool, layer, meta.decode)
+            return self._extend(q, k, v, pool, layer, meta.extend[0])
         out = q.new_empty((num_tokens, width))
         if meta.decode is not None:
-            out.index_copy_(0, meta.decode.token_idx, self._decode(q, k_pool, v_pool, layer, meta.decode))
+            out.index_copy_(0, meta.decode.token_idx, self._decode(q, pool, layer, meta.decode))
         for group in meta.extend:
-            out.index_copy_(0, group.token_idx, self._extend(q, k, v, k_pool, v_pool, layer, group))
+            out.index_copy_(0, group.token_idx, self._extend(q, k, v, pool, layer, group))
         return out
 
     def _decode(
         self,
         q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
+        pool: KVPool,
         layer: AttentionLayerInfo,
         group: _DecodeGroup,
     ) -> torch.Tensor:
@@ -266,22 +268,21 @@ class GatherPath:
         bd = group.token_idx.shape[0]
         # Heads h = kv * G + g share KV head kv: fold g into the query axis.
         qd = q.index_select(0, group.token_idx).view(bd, kv_heads, heads_per_kv, dim)
-        qd = qd.to(k_pool.dtype)
-        out = q.new_empty((bd, kv_heads, heads_per_kv, dim), dtype=k_pool.dtype)
+        qd = qd.to(pool.dtype)
+        out = q.new_empty((bd, kv_heads, heads_per_kv, dim), dtype=pool.dtype)
         if group.shared is not None:
-            o = group.shared.forward(qd, k_pool, v_pool, layer)
+            o = group.shared.forward(qd, pool, layer)
             out.index_copy_(0, group.shared.rows, o.to(out.dtype))
         if not group.chunks:
             return out.view(bd, kv_heads * heads_per_kv * dim).to(q.dtype)
         biggest = max(c.slots.shape[0] for c in group.chunks)
-        buf = self._buffers(biggest * kv_heads * dim, k_pool.dtype, k_pool.device)
+        buf = self._buffers(biggest * kv_heads * dim, pool.dtype, pool.device)
         for c in group.chunks:
             n = c.rows.shape[0]
             numel = c.slots.shape[0] * kv_heads * dim
             kg = buf[0, :numel].view(-1, kv_heads, dim)
             vg = buf[1, :numel].view(-1, kv_heads, dim)
-            torch.index_select(k_pool, 0, c.slots, out=kg)
-            torch.index_select(v_pool, 0, c.slots, out=vg)
+            pool.read(layer.layer_id, c.slots, kg, vg)
             kc = kg.view(n, c.max_len, kv_heads, dim).transpose(1, 2)
             vc = vg.view(n, c.max_len, kv_heads, dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(
@@ -295,14 +296,13 @@ class GatherPath:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
+        pool: KVPool,
         layer: AttentionLayerInfo,
         group: _ExtendGroup,
     ) -> torch.Tensor:
         heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         be, emax, lmax = group.num_rows, group.max_extend, group.max_len
-        dtype = k_pool.dtype
+        dtype = pool.dtype
         if group.slots is None:
             # Single fresh prompt: no padding, keys are this step's k/v.
             if q.shape[0] != emax:  # mixed batch: pick this prompt's tokens
@@ -316,11 +316,10 @@ class GatherPath:
             return o.transpose(1, 2).reshape(emax, heads * dim).to(q.dtype)
         qe = q.index_select(0, group.query_idx).to(dtype).view(be, emax, heads, dim).transpose(1, 2)
         numel = group.slots.shape[0] * kv_heads * dim
-        buf = self._buffers(numel, dtype, k_pool.device)
+        buf = self._buffers(numel, dtype, pool.device)
         kg = buf[0, :numel].view(-1, kv_heads, dim)
         vg = buf[1, :numel].view(-1, kv_heads, dim)
-        torch.index_select(k_pool, 0, group.slots, out=kg)
-        torch.index_select(v_pool, 0, group.slots, out=vg)
+        pool.read(layer.layer_id, group.slots, kg, vg)
         ke = kg.view(be, lmax, kv_heads, dim).transpose(1, 2)
         ve = vg.view(be, lmax, kv_heads, dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(

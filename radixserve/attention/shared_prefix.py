@@ -26,6 +26,7 @@ from radixserve.attention.paged_plan import find_shared_groups
 if TYPE_CHECKING:
     from radixserve.attention.base import AttentionLayerInfo
     from radixserve.batch import ForwardBatch
+    from radixserve.cache.kv_pool import KVPool
 
 # Sharing shorter prefixes than this is not worth the extra pass.
 MIN_SHARED_TOKENS = 64
@@ -64,16 +65,15 @@ class SharedPrefixDecode:
         self.suffix_slots = torch.where(live, table.gather(1, col).to(torch.int64), 0).reshape(-1)
         self.suffix_live = live[:, None, None, :]
 
-    def forward(self, qd: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                layer: AttentionLayerInfo) -> torch.Tensor:
+    def forward(self, qd: torch.Tensor, pool: KVPool, layer: AttentionLayerInfo) -> torch.Tensor:
         """``qd``: [Bd, KV, G, D] decode queries; returns [R, KV, G, D] for ``self.rows``."""
         kv, dim = layer.num_kv_heads, layer.head_dim
         n = self.rows.shape[0]
         q = qd.index_select(0, self.rows).float()  # [R, KV, G, D]
         g = q.shape[2]
         # Own suffix of every row: [R, KV, Lu, D].
-        ku = k_pool.index_select(0, self.suffix_slots).view(n, self.suffix_len, kv, dim)
-        vu = v_pool.index_select(0, self.suffix_slots).view(n, self.suffix_len, kv, dim)
+        ku, vu = pool.read(layer.layer_id, self.suffix_slots)
+        ku, vu = ku.view(n, self.suffix_len, kv, dim), vu.view(n, self.suffix_len, kv, dim)
         ku, vu = ku.transpose(1, 2).float(), vu.transpose(1, 2).float()
         scores = torch.matmul(q, ku.transpose(-1, -2)) * layer.scaling  # [R, KV, G, Lu]
         scores = scores.masked_fill(~self.suffix_live, float("-inf"))
@@ -84,8 +84,8 @@ class SharedPrefixDecode:
         lse_s = torch.empty_like(lse_u)
         for grp in self.groups:
             m = grp.members.stop - grp.members.start
-            ks = k_pool.index_select(0, grp.slots).transpose(0, 1).float()  # [KV, Ls, D]
-            vs = v_pool.index_select(0, grp.slots).transpose(0, 1).float()
+            ks, vs = pool.read(layer.layer_id, grp.slots)
+            ks, vs = ks.transpose(0, 1).float(), vs.transpose(0, 1).float()  # [KV, Ls, D]
             qg = q[grp.members].permute(1, 0, 2, 3).reshape(kv, m * g, dim)  # [KV, m*G, D]
             s = torch.matmul(qg, ks.transpose(-1, -2)) * layer.scaling  # [KV, m*G, Ls]
             lse = torch.logsumexp(s, dim=-1, keepdim=True)

@@ -65,7 +65,14 @@ class TorchAttentionBackend(AttentionBackend):
         layer: AttentionLayerInfo,
         fb: ForwardBatch,
     ) -> torch.Tensor:
-        fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        pool = fb.kv_pool
+        k_scale, v_scale = pool.get_scales(layer.layer_id)
+        if pool.quantized and self._kernel is not None and fb.device.type == "cpu":
+            k_pool, v_pool = pool.get_kv(layer.layer_id)
+            self._kernel.store_kv_quant(k, v, k_pool, v_pool, _or_empty(k_scale), _or_empty(v_scale),
+                                        fb.out_cache_loc)
+        else:
+            pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         plan = fb.attn_metadata
         if isinstance(plan, KernelPlan) and layer.num_heads // layer.num_kv_heads > KERNEL_MAX_GROUP:
             # A model the kernel was not built for: this forward gathers (on the CPU, where
@@ -75,8 +82,17 @@ class TorchAttentionBackend(AttentionBackend):
             plan = fb.attn_metadata
         if not isinstance(plan, KernelPlan):
             return self._gather.forward(q, k, v, layer, fb)
-        k_pool, v_pool = fb.kv_pool.get_kv(layer.layer_id)
+        k_pool, v_pool = pool.get_kv(layer.layer_id)
         out = self._kernel.paged_attention(
-            q.contiguous(), k_pool, v_pool, fb.req_to_token, *plan.args(), layer.scaling
+            q.contiguous(), k_pool, v_pool, _or_empty(k_scale), _or_empty(v_scale), fb.req_to_token,
+            *plan.args(), layer.scaling
         )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+
+
+_EMPTY = torch.empty(0)
+
+
+def _or_empty(scale: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' "no scales" (a pool that is not int8)."""
+    return _EMPTY if scale is None else scale

@@ -6,11 +6,13 @@
 #include <torch/csrc/utils/pybind.h>
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
-                              at::Tensor table, at::Tensor job_row,
+                              at::Tensor k_scale, at::Tensor v_scale, at::Tensor table, at::Tensor job_row,
                               at::Tensor job_kv_begin, at::Tensor job_entry_ptr,
                               at::Tensor entry_row, at::Tensor entry_limit,
                               at::Tensor row_entry_ptr, at::Tensor row_entries,
                               double scaling);
+void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
+                    at::Tensor v_scale, at::Tensor slots);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor weight,
                            double eps);
@@ -25,6 +27,7 @@ int64_t vector_width();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over the KV pool");
+  m.def("store_kv_quant", &store_kv_quant, "Write K/V rows into an int8 (with scales) or fp8 pool at slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place), then RMSNorm of it");
   m.def("rotary_", &rotary_, "Rotate-half RoPE of [T, heads, D], in place");

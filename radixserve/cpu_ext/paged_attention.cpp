@@ -28,12 +28,17 @@
 //    the default model's layer shapes, float32, one layer, against the gather path's SDPA):
 //    a 1024-token causal prompt 15.5 ms (SDPA 15.4; the 16-float version took 237), a decode of
 //    64 requests over 4 x 1k shared prefixes 2.0 ms (4.1), one request over 1k keys 0.13 ms (0.45).
+//  - 8-bit pools (kv_cache_dtype int8 / fp8_e4m3 / fp8_e5m2) run the float path with float32
+//    queries: each block's rows are widened to float once per task (int8 times the row's scale
+//    of its token and head; fp8 through the half-precision converter, see fp8_row), so every
+//    query row of the task shares one conversion.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Half.h>
 
 #include "vec.h"
 
@@ -92,6 +97,74 @@ inline void convert_row<at::BFloat16>(const at::BFloat16* src, float* dst, int n
     std::memcpy(&h, src + i, sizeof(h));
     const v16i w = __builtin_convertvector(h, v16i) << 16;
     std::memcpy(dst + i, &w, sizeof(w));
+  }
+}
+
+// The two 8-bit float formats of an fp8 pool, as stored bytes.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+// 16 half-precision bit patterns as floats (exact, subnormals included).
+inline v16 halves_to_float(v16h h) {
+  v16 f;
+#if defined(__AVX512F__)
+  __m256i x;
+  std::memcpy(&x, &h, sizeof(x));
+  const __m512 y = _mm512_cvtph_ps(x);
+  std::memcpy(&f, &y, sizeof(f));
+#elif defined(__F16C__)
+  __m128i lo, hi;
+  std::memcpy(&lo, &h, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&h) + 16, sizeof(hi));
+  const __m256 a = _mm256_cvtph_ps(lo), b = _mm256_cvtph_ps(hi);
+  std::memcpy(&f, &a, sizeof(a));
+  std::memcpy(reinterpret_cast<char*>(&f) + 32, &b, sizeof(b));
+#else
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
+#endif
+  return f;
+}
+
+// fp8 bytes as floats, 16 at a time through the half converter.  e5m2 is the top byte of a
+// half (same exponent bias).  e4m3 (bias 7) shifted into a half's exponent and mantissa fields
+// reads as the value times 2^-8, subnormals included, so the half is scaled by 2^8 after.  The
+// byte 0x7f (e4m3's NaN) would read as 480; the pool never holds it (values are saturated).
+template <typename F8>
+inline void fp8_row(const F8* src, float* dst, int n) {
+  for (int i = 0; i < n; i += 16) {
+    v16b b;
+    std::memcpy(&b, src + i, sizeof(b));
+    const v16h w = __builtin_convertvector(b, v16h);
+    v16 f;
+    if constexpr (std::is_same_v<F8, Fp8E5M2>) {
+      f = halves_to_float(w << 8);
+    } else {
+      f = halves_to_float(((w & 0x7f) << 7) | ((w & 0x80) << 8)) * 256.f;
+    }
+    std::memcpy(dst + i, &f, sizeof(f));
+  }
+}
+
+template <>
+inline void convert_row<Fp8E4M3>(const Fp8E4M3* src, float* dst, int n) { fp8_row(src, dst, n); }
+template <>
+inline void convert_row<Fp8E5M2>(const Fp8E5M2* src, float* dst, int n) { fp8_row(src, dst, n); }
+
+// An int8 row times its scale (n is a multiple of 16).
+inline void int8_row(const int8_t* src, float scale, float* dst, int n) {
+  typedef int8_t v16c __attribute__((vector_size(16)));
+  for (int i = 0; i < n; i += 16) {
+    v16c c;
+    std::memcpy(&c, src + i, sizeof(c));
+    const v16 f = __builtin_convertvector(c, v16) * scale;
+    std::memcpy(dst + i, &f, sizeof(f));
   }
 }
 
@@ -292,18 +365,23 @@ inline void transpose_w(vi* t) {
 alignas(64) const float kZeroRow[128] = {};
 
 // The rows of one K (or V) block as float: pointers into a float32 pool, or into `buf` where the
-// pool holds bfloat16 / float16 (converted once per task and block); keys past `nk` are zeros.
+// pool holds bfloat16 / float16 / 8 bits (converted once per task and block; an int8 row times
+// its scale in `scales`, [slots, KV heads]); keys past `nk` are zeros.
 template <typename KT, int D>
-inline void block_rows(const int32_t* slots, int nk, const KT* pool, int64_t kv_stride, int64_t kvh,
-                       float (*buf)[D], const float** rows) {
+inline void block_rows(const int32_t* slots, int nk, const KT* pool, const at::Half* scales, int64_t num_kv,
+                       int64_t kvh, float (*buf)[D], const float** rows) {
+  const int64_t kv_stride = num_kv * D;
   for (int j = 0; j < nk; ++j) {
     const KT* src = pool + slots[j] * kv_stride + kvh * D;
     if constexpr (std::is_same_v<KT, float>) {
       rows[j] = src;
+      continue;
+    } else if constexpr (std::is_same_v<KT, int8_t>) {
+      int8_row(src, static_cast<float>(scales[slots[j] * num_kv + kvh]), buf[j], D);
     } else {
       convert_row(src, buf[j], D);
-      rows[j] = buf[j];
     }
+    rows[j] = buf[j];
   }
   for (int j = nk; j < KB; ++j) rows[j] = kZeroRow;
 }
@@ -538,9 +616,9 @@ void run_task_pairs(const Plan&, const QT*, const at::BFloat16*, const at::BFloa
 // partial output part[e, h, :] and lse[e, h] for the G query heads h of this KV head.
 // Vectors are W floats (vec.h); a row of block scores is SV of them.
 template <typename QT, typename KT, int D>
-void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t num_heads,
-              int64_t num_kv, int64_t group, float scaling, int64_t job, int64_t kvh, int64_t e0,
-              int64_t e1, float* part, float* lse) {
+void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, const at::Half* ks,
+              const at::Half* vs, int64_t num_heads, int64_t num_kv, int64_t group, float scaling,
+              int64_t job, int64_t kvh, int64_t e0, int64_t e1, float* part, float* lse) {
   constexpr int DV = D / W;            // vectors per head row
   constexpr int SV = KB / W;           // vectors per row of block scores (2 or 4: even)
   constexpr int DC = DV < 4 ? DV : 4;  // accumulator vectors per row held in registers in P.V
@@ -580,8 +658,8 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t
   for (int64_t kb = kv_begin; kb < kv_end; kb += KB) {
     const int nk = static_cast<int>(std::min<int64_t>(KB, kv_end - kb));
     prefetch_rows<KT, D>(trow + kb + KB, next_block_keys(kb, kv_end), kp, vp, kv_stride, kvh);
-    block_rows<KT, D>(trow + kb, nk, kp, kv_stride, kvh, kbuf, krow);
-    block_rows<KT, D>(trow + kb, nk, vp, kv_stride, kvh, vbuf, vrow);
+    block_rows<KT, D>(trow + kb, nk, kp, ks, num_kv, kvh, kbuf, krow);
+    block_rows<KT, D>(trow + kb, nk, vp, vs, num_kv, kvh, vbuf, vrow);
     int r = 0;
     if (few) {  // each score a dot product over a K row as stored, W keys reduced at once
       for (; r < rows; ++r) {
@@ -689,7 +767,8 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, int64_t
 }
 template <typename QT, typename KT, int D>
 void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, const KT* vp,
-              int64_t num_heads, int64_t num_kv, float scaling, float* part, float* lse) {
+              const at::Half* ks, const at::Half* vs, int64_t num_heads, int64_t num_kv, float scaling,
+              float* part, float* lse) {
   const int64_t group = num_heads / num_kv;
   // A bfloat16 pool on a CPU with AVX-512 BF16 runs every task on the pair path
   // (run_task_pairs); other pools, or a CPU without those instructions, on the float path.
@@ -726,21 +805,21 @@ void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, con
                                  t % num_kv, task.e0, task.e1, part, lse);
         continue;
       }
-      run_task<QT, KT, D>(plan, q, kp, vp, num_heads, num_kv, group, scaling, task.job,
+      run_task<QT, KT, D>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling, task.job,
                           t % num_kv, task.e0, task.e1, part, lse);
     }
   });
 }
 
 template <typename QT, typename KT>
-void dispatch_dim(int64_t head_dim, const Plan& plan, int64_t num_jobs, const QT* q,
-                  const KT* kp, const KT* vp, int64_t num_heads, int64_t num_kv, float scaling,
-                  float* part, float* lse) {
+void dispatch_dim(int64_t head_dim, const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp,
+                  const KT* vp, const at::Half* ks, const at::Half* vs, int64_t num_heads, int64_t num_kv,
+                  float scaling, float* part, float* lse) {
   switch (head_dim) {
-    case 16: return run_jobs<QT, KT, 16>(plan, num_jobs, q, kp, vp, num_heads, num_kv, scaling, part, lse);
-    case 32: return run_jobs<QT, KT, 32>(plan, num_jobs, q, kp, vp, num_heads, num_kv, scaling, part, lse);
-    case 64: return run_jobs<QT, KT, 64>(plan, num_jobs, q, kp, vp, num_heads, num_kv, scaling, part, lse);
-    case 128: return run_jobs<QT, KT, 128>(plan, num_jobs, q, kp, vp, num_heads, num_kv, scaling, part, lse);
+    case 16: return run_jobs<QT, KT, 16>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, part, lse);
+    case 32: return run_jobs<QT, KT, 32>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, part, lse);
+    case 64: return run_jobs<QT, KT, 64>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, part, lse);
+    case 128: return run_jobs<QT, KT, 128>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, part, lse);
     default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " not in {16, 32, 64, 128}");
   }
 }
@@ -782,10 +861,11 @@ void merge_rows(const float* part, const float* lse, const int64_t* row_entry_pt
 
 }  // namespace
 
-// q: [T, H, D]; k_pool, v_pool: [S, KV, D]; table: [R, C] int32; plan tensors int64 (see top).
-// Returns [T, H, D] in q's dtype.
+// q: [T, H, D]; k_pool, v_pool: [S, KV, D]; k_scale, v_scale: [S, KV] float16 for an int8 pool,
+// empty otherwise; table: [R, C] int32; plan tensors int64 (see top).  Returns [T, H, D] in q's
+// dtype.
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
-                              at::Tensor table, at::Tensor job_row,
+                              at::Tensor k_scale, at::Tensor v_scale, at::Tensor table, at::Tensor job_row,
                               at::Tensor job_kv_begin, at::Tensor job_entry_ptr,
                               at::Tensor entry_row, at::Tensor entry_limit,
                               at::Tensor row_entry_ptr, at::Tensor row_entries,
@@ -816,6 +896,43 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   auto lse = at::empty({num_entries, num_heads}, q.options().dtype(at::kFloat));
   const float scale = static_cast<float>(scaling);
 
+  const auto kv_type = k_pool.scalar_type();
+  if (kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2) {
+    // An 8-bit pool: float32 queries and outputs (one instantiation per pool type).
+    const at::Half* ks = nullptr;
+    const at::Half* vs = nullptr;
+    if (kv_type == at::kChar) {
+      for (const auto* t : {&k_scale, &v_scale}) {
+        TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 &&
+                        t->size(0) == k_pool.size(0) && t->size(1) == num_kv,
+                    "an int8 pool needs contiguous float16 scales of shape [slots, kv_heads]");
+      }
+      ks = k_scale.data_ptr<at::Half>();
+      vs = v_scale.data_ptr<at::Half>();
+    }
+    auto qf = q.to(at::kFloat).contiguous();
+    auto out = at::empty_like(qf);
+    const float* qp = qf.data_ptr<float>();
+    const void* kp = k_pool.data_ptr();
+    const void* vp = v_pool.data_ptr();
+    if (kv_type == at::kChar) {
+      dispatch_dim<float, int8_t>(head_dim, plan, num_jobs, qp, static_cast<const int8_t*>(kp),
+                                  static_cast<const int8_t*>(vp), ks, vs, num_heads, num_kv, scale,
+                                  part.data_ptr<float>(), lse.data_ptr<float>());
+    } else if (kv_type == at::kFloat8_e4m3fn) {
+      dispatch_dim<float, Fp8E4M3>(head_dim, plan, num_jobs, qp, static_cast<const Fp8E4M3*>(kp),
+                                   static_cast<const Fp8E4M3*>(vp), nullptr, nullptr, num_heads, num_kv,
+                                   scale, part.data_ptr<float>(), lse.data_ptr<float>());
+    } else {
+      dispatch_dim<float, Fp8E5M2>(head_dim, plan, num_jobs, qp, static_cast<const Fp8E5M2*>(kp),
+                                   static_cast<const Fp8E5M2*>(vp), nullptr, nullptr, num_heads, num_kv,
+                                   scale, part.data_ptr<float>(), lse.data_ptr<float>());
+    }
+    merge_rows<float>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
+                      row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, out.data_ptr<float>());
+    return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+  }
+
   // One element type for q and the pool (the model's dtype): every pair of types would be
   // instantiated otherwise, quadrupling the build for combinations the runtime never makes.
   auto qk = q.scalar_type() == k_pool.scalar_type() ? q : q.to(k_pool.scalar_type());
@@ -823,7 +940,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_pool.scalar_type(), "paged_attention", [&] {
     using T = scalar_t;
     dispatch_dim<T, T>(head_dim, plan, num_jobs, qk.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(),
-                       num_heads, num_kv, scale, part.data_ptr<float>(), lse.data_ptr<float>());
+                       nullptr, nullptr, num_heads, num_kv, scale, part.data_ptr<float>(), lse.data_ptr<float>());
     merge_rows<T>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
                   row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, out.data_ptr<T>());
   });

@@ -138,7 +138,7 @@ def run_tp_worker_process(args: ServerArgs, model_path: str, rank: int, folder: 
         setup = share_setup(None)
         config = loaded.config
         kv_pool = KVPool(setup["num_slots"], config.num_layers, loaded.model.num_local_kv_heads,
-                         config.head_dim, dtype, device)
+                         config.head_dim, dtype, device, kv_cache_dtype=args.kv_cache_dtype)
         runner = RankRunner(loaded.model, kv_pool, create_backend(args.attention_backend), device)
         sock = zmq.Context.instance().socket(zmq.PULL)
         sock.connect(link_address(folder, rank))

@@ -262,7 +262,7 @@ class KVManager:
         new = [i for i in range(state.stored, len(names)) if names[i] not in self.disk]
         if new:
             slots = np.concatenate([row_slots[i * bt : (i + 1) * bt] for i in new])
-            kv = self.tiers.device_pool.gather(slots)  # [2, layers, n * bt, heads, dim]
+            kv = self.tiers.device_pool.gather(slots)  # [2, layers, n * bt, slot bytes] uint8
             ready = None
             if kv.is_cuda:  # off the device without waiting: the I/O thread waits for the copy
                 host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)

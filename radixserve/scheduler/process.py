@@ -138,12 +138,13 @@ def _run_step(sched: Any, send: zmq.Socket) -> None:
 
 def dtype_note(args: Any) -> str:
     """The dtype, and for a CPU what decided it (bfloat16 needs AMX or AVX-512 BF16 to be fast)."""
+    kv = "" if args.kv_cache_dtype == "auto" else f", KV cache {args.kv_cache_dtype}"
     if args.device != "cpu":
-        return args.dtype
+        return args.dtype + kv
     from radixserve.config import cpu_bf16_feature
 
     feature = cpu_bf16_feature()
-    return f"{args.dtype} (CPU bfloat16 instructions: {feature or 'none'})"
+    return f"{args.dtype} (CPU bfloat16 instructions: {feature or 'none'}){kv}"
 
 
 def run_scheduler_process(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from radixserve.cache.allocator import PageAllocator
-from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.kv_pool import KVPool, kv_bytes_per_token
 from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.cache.tiers import TierManager
@@ -77,11 +77,9 @@ class Scheduler:
         kv_heads = getattr(model, "num_local_kv_heads", model_config.num_kv_heads)
         head_dim, layers = model_config.head_dim, model_config.num_layers
         ranks_per_memory = args.tp_size if self.device.type == "cpu" else 1
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, self.dtype, args.kv_cache_dtype)
         pool_tokens = args.max_total_tokens or auto_pool_tokens(
-            2 * layers * kv_heads * head_dim * elem * ranks_per_memory, args.kv_cache_memory_fraction,
-            self.device,
-        )
+            token_bytes * ranks_per_memory, args.kv_cache_memory_fraction, self.device)
         num_pages = max(1, pool_tokens // self.page_size)
         self.pool_tokens = num_pages * self.page_size
         self.max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
@@ -90,7 +88,8 @@ class Scheduler:
         self.req_pool = ReqToTokenPool(self.max_running, self.context_len + self.page_size, self.device)
         self.tree = RadixCache(self.page_size, self.allocator.free_slots, disable=args.disable_radix_cache,
                                eviction_policy=args.radix_eviction_policy)
-        kv_pool = KVPool(self.allocator.num_slots, layers, kv_heads, head_dim, self.dtype, self.device)
+        kv_pool = KVPool(self.allocator.num_slots, layers, kv_heads, head_dim, self.dtype, self.device,
+                         kv_cache_dtype=args.kv_cache_dtype)
         self.tiers = self._make_tiers(kv_pool, model)
         self.kv = KVManager(self.allocator, self.req_pool, self.tree, self.tiers,
                             swap=args.preemption_mode == "swap")
@@ -163,6 +162,8 @@ class Scheduler:
             "page_size": self.page_size,
             "eos_token_ids": sorted(self.stop_checker.eos_token_ids),
             "dtype": self.args.dtype,
+            "kv_cache_dtype": self.runner.kv_pool.kv_cache_dtype,
+            "kv_cache_bytes_per_token": self.runner.kv_pool.bytes_per_token,
             "device": self.args.device,
             "attention_backend": self.args.attention_backend,
             "tp_size": self.args.tp_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from typing import Any
 
@@ -75,3 +76,15 @@ def run_until_idle(sched: Scheduler, max_steps: int = 10_000, on_step: Any = Non
     report = sched.check_memory()
     assert report["locked_tokens"] == 0
     return results
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of random ids in [6, 256), each of ``lo`` to ``hi`` tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_one(sched: Scheduler, prompt: list[int], n: int = 8) -> dict[str, Any]:
+    """One greedy request of ``n`` tokens (eos ignored), run to the end."""
+    rid = submit(sched, prompt, max_new_tokens=n, ignore_eos=True)
+    return run_until_idle(sched)[rid]

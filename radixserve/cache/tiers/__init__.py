@@ -87,15 +87,18 @@ class TierManager:
             self.host_alloc = PageAllocator(pages, page_size)
             self.host_pool = KVPool(self.host_alloc.num_slots, device_pool.num_layers, device_pool.num_kv_heads,
                                     device_pool.head_dim, device_pool.dtype, "cpu",
-                                    pin_memory=device_pool.device.type == "cuda")
+                                    pin_memory=device_pool.device.type == "cuda",
+                                    kv_cache_dtype=device_pool.kv_cache_dtype)
         self.block_tokens = -(-DISK_BLOCK_MIN_TOKENS // page_size) * page_size
         self.disk: DiskStore | None = None
         if disk_dir:
             full = dict(identity, block_tokens=self.block_tokens, kv_dtype=str(device_pool.dtype),
                         kv_layout=[device_pool.num_layers, device_pool.num_kv_heads, device_pool.head_dim])
+            if device_pool.quantized:  # (the identity of a pool in the model's dtype is unchanged)
+                full["kv_cache_dtype"] = device_pool.kv_cache_dtype
             self.seed = identity_hash(full)
-            shape = (2, device_pool.num_layers, self.block_tokens, device_pool.num_kv_heads, device_pool.head_dim)
-            self.disk = DiskStore(disk_dir, disk_tokens, self.block_tokens, full, shape, device_pool.dtype)
+            shape = (2, device_pool.num_layers, self.block_tokens, device_pool.slot_bytes)
+            self.disk = DiskStore(disk_dir, disk_tokens, self.block_tokens, full, shape)
 
     @property
     def host_tokens(self) -> int:

@@ -70,12 +70,11 @@ class LoadResult(NamedTuple):
 
 class DiskStore:
     def __init__(self, root: str | os.PathLike, capacity_tokens: int, block_tokens: int,
-                 identity: dict[str, Any], block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+                 identity: dict[str, Any], block_shape: tuple[int, ...]) -> None:
         self.block_tokens = block_tokens
         self.identity = identity_hash(identity)
-        self.block_shape = block_shape  # [2, layers, block_tokens, kv_heads, head_dim]
-        self.dtype = dtype
-        self.payload_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
+        self.block_shape = block_shape  # [2, layers, block_tokens, slot bytes] uint8 (KVPool.gather)
+        self.payload_bytes = int(np.prod(block_shape))
         self.capacity_blocks = max(1, capacity_tokens // block_tokens)
         self.dir = Path(root) / self.identity.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +203,7 @@ class DiskStore:
             path.unlink(missing_ok=True)
             return None
         block = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return block.view(self.dtype).reshape(self.block_shape)
+        return block.reshape(self.block_shape)
 
     def _read_files(self, names: list[bytes]) -> LoadResult:
         blocks: list[torch.Tensor] = []
