@@ -18,6 +18,8 @@ Scenarios (each config on a fresh ``Engine``, default model, one run):
               a host tier (``--host-fraction`` of the working set), a disk tier alone: hit rate
               and TTFT p50 of turns 2 and later, and the longest tier copy in one step against the
               median decode step (a promotion must not stall the others by more than a step).
+              ``int8-kv``: no tier, the pool in int8 (``--kv-cache-dtype int8``) in the memory of
+              LRU alone's pool, so it holds 1.94x (bfloat16) / 3.88x (float32) the tokens.
   restart     (c) a server on an empty disk folder answers a ``--restart-system-len``-token system
               prompt and a question (cold), stops; a server started on the same folder answers
               the same system prompt with another question (warm): first-request TTFT of each.
@@ -64,16 +66,18 @@ from bench.common import (  # noqa: E402
     target_lines,
     write_report,
 )
+from bench.kv_quant import same_memory_tokens  # noqa: E402
 from bench.workloads import TokenStream  # noqa: E402
 
 EVICTION_POLICIES = ("lru", "lfu", "slru")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 TARGET_SLRU_HIT_RATE = 0.9
 TARGET_LRU_HIT_RATE = 0.5
-TIER_CONFIGS = ("lru", "host", "disk")
+TIER_CONFIGS = ("lru", "host", "disk", "int8-kv")  # int8-kv: LRU alone, an int8 pool of the same memory
 TARGET_TIER_HIT_RATE = 0.8  # (b) with the host or the disk tier
 TARGET_LRU_ALONE_HIT_RATE = 0.3  # (b) where LRU alone is at most this
 TARGET_TIER_TTFT_RATIO = 1 / 3  # (b) tier TTFT p50 over LRU-alone TTFT p50
+TARGET_INT8_KV_HIT_RATIO = 1.5  # (b) int8-kv hit rate over LRU alone's (same memory)
 TARGET_RESTART_TTFT_RATIO = 1 / 4  # (c) warm over cold first-request TTFT
 SCENARIOS = ("hot-prefix", "tiers", "restart", "groups", "preemption")
 
@@ -100,6 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=32, help="tiers: requests in flight at once")
     p.add_argument("--tier-pool-fraction", type=float, default=0.25)
     p.add_argument("--host-fraction", type=float, default=1.0)
+    p.add_argument("--tier-configs", default=",".join(TIER_CONFIGS), help="tiers: comma list of " + ", ".join(TIER_CONFIGS))
     p.add_argument("--restart-system-len", type=int, default=2048)
     p.add_argument("--swap-requests", type=int, default=6, help="preemption: low-priority requests")
     p.add_argument("--swap-prompt-len", type=int, default=1024)
@@ -190,6 +195,9 @@ def tiers(args: argparse.Namespace, tokenizer: Any, config: str) -> dict[str, An
         settings["host_cache_size"] = int(args.host_fraction * working_set)
     elif config == "disk":
         settings.update(disk_cache_dir=str(scratch(args, "tiers")), disk_cache_size=2 * working_set)
+    elif config == "int8-kv":
+        pool = same_memory_tokens(pool, args.dtype, "int8")
+        settings["kv_cache_dtype"] = "int8"
     sampling = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     history = [list(d) for d in docs]
     metas: list[dict[str, Any]] = []
@@ -210,10 +218,14 @@ def tiers(args: argparse.Namespace, tokenizer: Any, config: str) -> dict[str, An
         wall = time.perf_counter() - t0
         stats = eng.get_stats()
     prompt_tokens = sum(m["prompt_tokens"] for m in metas)
-    by_tier = {t: sum((m.get("cached_tokens_details") or {}).get(t, 0) for m in metas) for t in ("device", "host", "disk")}
+    # Without a tier the server gives no split: every cached token is then a device hit.
+    details = [m.get("cached_tokens_details") or {"device": m["cached_tokens"]} for m in metas]
+    by_tier = {t: sum(d.get(t, 0) for d in details) for t in ("device", "host", "disk")}
     decode_step_ms = 1000 * stats["forward_seconds"] / max(1, stats["forward_steps"])
     return {
         "scenario": "tiers", "policy": config, "wall_s": wall, "pool_tokens": pool, "working_set": working_set,
+        "kv_cache_dtype": settings.get("kv_cache_dtype", "auto"),
+        "prompt_tokens": prompt_tokens, "cached_tokens": sum(m["cached_tokens"] for m in metas),
         "hit_rate": sum(m["cached_tokens"] for m in metas) / prompt_tokens,
         "ttft_p50_ms": 1000 * statistics.median(m["ttft"] for m in metas),
         "cached_by_tier": by_tier, "prefill_computed": stats["prefill_tokens_computed"],
@@ -321,9 +333,9 @@ def report_lines(rows: list[dict[str, Any]]) -> list[str]:
                   align_columns(table, left={0})]
     tier_rows = [r for r in rows if r["scenario"] == "tiers"]
     if tier_rows:
-        table = [("config", "hit rate", "TTFT p50 ms", "by tier device/host/disk", "prefill computed",
+        table = [("config", "pool tokens", "hit rate", "TTFT p50 ms", "by tier device/host/disk", "prefill computed",
                   "longest tier copy ms", "mean step ms", "wall s")]
-        table += [(r["policy"], f"{r['hit_rate']:.1%}", f"{r['ttft_p50_ms']:.0f}",
+        table += [(r["policy"], str(r["pool_tokens"]), f"{r['hit_rate']:.1%}", f"{r['ttft_p50_ms']:.0f}",
                    "/".join(str(r["cached_by_tier"][t]) for t in ("device", "host", "disk")),
                    str(r["prefill_computed"]), f"{r['tier_copy_ms_max']:.1f}", f"{r['mean_step_ms']:.1f}",
                    f"{r['wall_s']:.1f}") for r in tier_rows]
@@ -373,6 +385,10 @@ def check_targets(rows: list[dict[str, Any]], dtype: str) -> list[dict[str, Any]
                                      r["ttft_p50_ms"] / alone["ttft_p50_ms"], TARGET_TIER_TTFT_RATIO, False))
                 checks.append(target(dtype, f"tiers {config} longest tier copy / mean step <=",
                                      r["tier_copy_ms_max"] / r["mean_step_ms"], 1.0, False))
+        int8 = by.get(("tiers", "int8-kv"))
+        if int8:
+            checks.append(target(dtype, "tiers int8-kv hit rate / lru-alone (same memory) >=",
+                                 int8["hit_rate"] / max(alone["hit_rate"], 1e-9), TARGET_INT8_KV_HIT_RATIO, True))
     cold, warm = by.get(("restart", "cold")), by.get(("restart", "warm"))
     if cold and warm:
         checks.append(target(dtype, "restart warm / cold first TTFT <=", warm["ttft_ms"] / cold["ttft_ms"],
@@ -390,7 +406,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenario(s) {sorted(unknown)}")
-    configs = {"hot-prefix": (hot_prefix, EVICTION_POLICIES), "tiers": (tiers, TIER_CONFIGS),
+    tier_configs = [c for c in args.tier_configs.split(",") if c]
+    if set(tier_configs) - set(TIER_CONFIGS):
+        raise SystemExit(f"unknown tier config(s) {sorted(set(tier_configs) - set(TIER_CONFIGS))}")
+    configs = {"hot-prefix": (hot_prefix, EVICTION_POLICIES), "tiers": (tiers, tier_configs),
                "restart": (restart, ("cold", "warm")), "groups": (groups, SCHEDULE_POLICIES),
                "preemption": (preemption, ("recompute", "swap"))}
     plan = [(configs[name][0], c) for name in SCENARIOS if name in scenarios for c in configs[name][1]]

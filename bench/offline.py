@@ -18,6 +18,7 @@ Configurations, each in every ``--dtypes`` entry, each with a fresh model:
   radix-sampled  radixserve, radix cache on, every request sampled (temperature 0.7, top_p 0.9,
                seeded) instead of greedy: the sampler's cost beside the greedy run's
   radix-ngram  radixserve, radix cache on, n-gram speculative decoding (same greedy tokens)
+  radix-int8kv radixserve, radix cache on, the KV cache in int8 (``--kv-cache-dtype int8``)
   radix-gguf   radixserve, radix cache on, the GGUF's own Q4_1 / Q8_0 blocks as the weights
                (``--quantization gguf``, what ``auto`` picks for the default model on a CPU);
                the other configs run the float weights (``--quantization none``)
@@ -81,7 +82,8 @@ from bench.workloads import (  # noqa: E402
     short_prompts,
 )
 
-CONFIGS = ("radix", "radix-torch", "radix-sampled", "radix-ngram", "radix-gguf", "no-radix", "hf-static")
+CONFIGS = ("radix", "radix-torch", "radix-sampled", "radix-ngram", "radix-int8kv", "radix-gguf", "no-radix",
+           "hf-static")
 WORKLOADS = ("shared-prefix", "multi-turn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Counters of SchedulerStats that add up over requests, so a warm-up can be subtracted.
@@ -194,6 +196,8 @@ def run_radixserve(
     settings: dict[str, Any] = {"dtype": dtype, "disable_radix_cache": config == "no-radix"}
     if config == "radix-ngram":
         settings["speculative_algorithm"] = "ngram"
+    if config == "radix-int8kv":
+        settings["kv_cache_dtype"] = "int8"
     settings["quantization"] = "gguf" if config == "radix-gguf" else "none"
     for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests"):
         if getattr(args, name) is not None:
@@ -226,7 +230,7 @@ def run_radixserve(
         if args.breakdown:
             step_ms = 1000 * stats["step_seconds"] / max(stats["forward_steps"], 1)
             row["breakdown"] = {"workload": workload_breakdown(engine, lambda: run_turns(work, generate), step_ms)}
-            if config in ("radix", "radix-torch"):
+            if config in ("radix", "radix-torch", "radix-int8kv"):
                 row["breakdown"]["decode"] = decode_breakdown(engine, generate, ctx.decode_prompts, args.output_len)
     return row
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 
-def run_format(quant: str, prompts: list[list[int]], reference: list[list[int]] | None,
-               args: argparse.Namespace) -> dict[str, Any]:
-    """One engine: its greedy tokens for each prompt and its logprobs of ``reference`` (its
-    own tokens when None)."""
+def run_engine(settings: dict[str, Any], prompts: list[list[int]], reference: list[list[int]] | None,
+               tokens: int) -> dict[str, Any]:
+    """One engine with ``settings``: its greedy tokens for each prompt and its logprobs of
+    ``reference`` (its own tokens when None), teacher-forced."""
     from radixserve.engine import Engine
 
-    params = {"temperature": 0.0, "max_new_tokens": args.tokens, "ignore_eos": True}
-    with Engine(dtype=args.dtype, quantization=quant, max_total_tokens=8192) as engine:
-        served = engine.info["quantization"]
+    params = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
+    with Engine(**settings) as engine:
+        info = engine.info
         outs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
         scored = reference or outs
         logprobs = []
@@ -72,7 +73,26 @@ def run_format(quant: str, prompts: list[list[int]], reference: list[list[int]] 
             res = engine.generate(input_ids=prompt + ref, sampling_params={"max_new_tokens": 0},
                                   return_logprob=True, logprob_start_len=len(prompt))
             logprobs.append([entry[0] for entry in res["meta_info"]["input_token_logprobs"]])
-    return {"quantization": quant, "served_as": served, "output_ids": outs, "reference_logprobs": logprobs}
+    return {"info": info, "output_ids": outs, "reference_logprobs": logprobs}
+
+
+def agreement(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """How far ``got`` (a :func:`run_engine` result scored on ``ref``'s tokens) is from ``ref``."""
+    same = [sum(a == b for a, b in zip(x, y, strict=True)) / len(x)
+            for x, y in zip(ref["output_ids"], got["output_ids"], strict=True)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+             for x, y in zip(ref["output_ids"], got["output_ids"], strict=True)]
+    deltas = [abs(a - b) for xs, ys in zip(ref["reference_logprobs"], got["reference_logprobs"], strict=True)
+              for a, b in zip(xs, ys, strict=True)]
+    return {"identical": sum(same) / len(same), "identical_per_prompt": same,
+            "first_diff_mean": sum(first) / len(first), "mean_abs_dlogprob": sum(deltas) / len(deltas),
+            "max_abs_dlogprob": max(deltas), "output_ids": got["output_ids"]}
+
+
+def chat_prompts(tokenizer: Any, questions: Sequence[str]) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -81,28 +101,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from radixserve.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
-    questions = QUESTIONS[:2] if args.quick else QUESTIONS
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in questions]
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    prompts = chat_prompts(tokenizer, QUESTIONS[:2] if args.quick else QUESTIONS)
     kind = cpu_kind()
     print(f"cpu: {kind['cpu_model']} ({kind['cpu_kind']}); {len(prompts)} prompts, {args.tokens} greedy tokens each")
     print("[none] ...", flush=True)
-    ref = run_format("none", prompts, None, args)
+    base = {"dtype": args.dtype, "max_total_tokens": 8192}
+    ref = run_engine(dict(base, quantization="none"), prompts, None, args.tokens)
     rows = []
     for quant in args.quantizations:
         print(f"[{quant}] ...", flush=True)
-        got = run_format(quant, prompts, ref["output_ids"], args)
-        same = [sum(a == b for a, b in zip(x, y, strict=True)) / len(x)
-                for x, y in zip(ref["output_ids"], got["output_ids"], strict=True)]
-        first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-                 for x, y in zip(ref["output_ids"], got["output_ids"], strict=True)]
-        deltas = [abs(a - b) for xs, ys in zip(ref["reference_logprobs"], got["reference_logprobs"], strict=True)
-                  for a, b in zip(xs, ys, strict=True)]
-        rows.append({"quantization": quant, "served_as": got["served_as"], "identical": sum(same) / len(same),
-                     "identical_per_prompt": same, "first_diff_mean": sum(first) / len(first),
-                     "mean_abs_dlogprob": sum(deltas) / len(deltas), "max_abs_dlogprob": max(deltas),
-                     "output_ids": got["output_ids"]})
+        got = run_engine(dict(base, quantization=quant), prompts, ref["output_ids"], args.tokens)
+        rows.append({"quantization": quant, "served_as": got["info"]["quantization"], **agreement(ref, got)})
     header = ["weights", "served as", "identical", "first diff", "mean |d logprob|", "max |d logprob|"]
     lines = [header] + [[r["quantization"], r["served_as"], f"{r['identical']:.0%}", f"{r['first_diff_mean']:.1f}",
                          f"{r['mean_abs_dlogprob']:.4f}", f"{r['max_abs_dlogprob']:.4f}"] for r in rows]

@@ -1,4 +1,5 @@
-"""Pieces shared by the attention kernels: the online-softmax step and launch helpers."""
+"""Pieces shared by the attention kernels: the online-softmax step, reading a (possibly 8-bit)
+KV pool, and launch helpers."""
 
 from __future__ import annotations
 
@@ -29,6 +30,28 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreting()
 
 
+def kv_compute_dtype(q: torch.Tensor, k_buf: torch.Tensor) -> torch.dtype:
+    """What attention over ``k_buf`` computes in: a float pool's own dtype (the query is cast
+    to it, as always), the query's for an 8-bit pool (its tiles are widened to it)."""
+    return q.dtype if k_buf.element_size() == 1 else k_buf.dtype
+
+
+def kv_scales(k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor | None,
+              v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(k_scale, v_scale, k slot stride, v slot stride)`` to launch with.  An int8 pool needs
+    its scales ``[num_slots, KV]`` (kv_pool.py); the kernels read no scale for other pools, so
+    the buffers themselves stand in."""
+    if k_buf.dtype != torch.int8:
+        return k_buf, v_buf, 0, 0
+    if k_scale is None or v_scale is None:
+        raise ValueError("an int8 KV pool needs k_scale and v_scale")
+    for buf, scale in ((k_buf, k_scale), (v_buf, v_scale)):
+        if scale.shape != buf.shape[:2] or scale.stride(1) != 1:
+            raise ValueError(f"KV scales must be [num_slots, KV heads] = {tuple(buf.shape[:2])} with "
+                             f"unit stride along the heads, got {tuple(scale.shape)}")
+    return k_scale, v_scale, k_scale.stride(0), v_scale.stride(0)
+
+
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """The kernels index heads and tokens by stride but assume unit stride along head_dim."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -48,6 +71,25 @@ def mma(a, b, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def load_kv(Buf, Scale, slot, kv, offs_d, mask, stride_s, stride_h, stride_scale,
+            DTYPE: tl.constexpr):
+    """A tile of KV head ``kv`` at pool slots ``slot`` in the compute dtype ``DTYPE``: ``slot``
+    [1, N] with ``offs_d`` [D, 1] gives keys transposed [D, N], ``slot`` [N, 1] with ``offs_d``
+    [1, D] values [N, D].  The pool's element type decides at compile time: a float pool's tile
+    is returned as stored (the code of unquantized pools is unchanged), an int8 pool's element
+    times the scale of its (slot, head) (``Scale`` [num_slots, KV], row stride
+    ``stride_scale``), an fp8 pool's element widened (its scale is 1).  Masked keys must still
+    name a valid slot: the callers load them as slot 0."""
+    x = tl.load(Buf + slot * stride_s + kv * stride_h + offs_d, mask=mask, other=0.0)
+    if Buf.dtype.element_ty == tl.int8:
+        scale = tl.load(Scale + slot * stride_scale + kv)
+        x = (x.to(tl.float32) * scale.to(tl.float32)).to(DTYPE)
+    elif Buf.dtype.element_ty.is_fp8():
+        x = x.to(tl.float32).to(DTYPE)
+    return x
 
 
 @triton.jit
@@ -73,32 +115,35 @@ def attend_block(acc, m_i, l_i, q, k_t, v, mask, qk_scale,
 
 
 @triton.jit
-def attend_table_keys(acc, m_i, l_i, q, table, start, end, K_buf, V_buf, kv,
-                      stride_kbs, stride_kbh, stride_vbs, stride_vbh, row_mask, offs_d, d_mask,
+def attend_table_keys(acc, m_i, l_i, q, table, start, end, K_buf, V_buf, K_scale, V_scale, kv,
+                      stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ksc, stride_vsc,
+                      row_mask, offs_d, d_mask,
                       qk_scale, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr):
     """:func:`attend_block` over keys ``[start, end)`` of one table row (``table`` points at
     it; column ``j`` holds key ``j``'s pool slot), KV head ``kv``: whole blocks of BLOCK_N keys
     unmasked (``row_mask`` [M] only keeps padded query rows' loads in bounds), then the tail
-    masked by key."""
+    masked by key.  Tiles are read by :func:`load_kv` in ``q``'s dtype."""
     offs_n = tl.arange(0, BLOCK_N)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
         slot = tl.load(table + n0 + offs_n).to(tl.int64)
-        k_t = tl.load(K_buf + slot[None, :] * stride_kbs + kv * stride_kbh + offs_d[:, None],
-                      mask=d_mask[:, None], other=0.0)
-        v = tl.load(V_buf + slot[:, None] * stride_vbs + kv * stride_vbh + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
+        k_t = load_kv(K_buf, K_scale, slot[None, :], kv, offs_d[:, None], d_mask[:, None],
+                      stride_kbs, stride_kbh, stride_ksc, q.dtype)
+        v = load_kv(V_buf, V_scale, slot[:, None], kv, offs_d[None, :], d_mask[None, :],
+                    stride_vbs, stride_vbh, stride_vsc, q.dtype)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k_t, v, row_mask[:, None], qk_scale,
                                      False, PRECISION, DOT_IN_FP32)
     if full_end < end:
         n = full_end + offs_n
         n_mask = n < end
         slot = tl.load(table + n, mask=n_mask, other=0).to(tl.int64)
-        k_t = tl.load(K_buf + slot[None, :] * stride_kbs + kv * stride_kbh + offs_d[:, None],
-                      mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        v = tl.load(V_buf + slot[:, None] * stride_vbs + kv * stride_vbh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        k_t = load_kv(K_buf, K_scale, slot[None, :], kv, offs_d[:, None],
+                      n_mask[None, :] & d_mask[:, None], stride_kbs, stride_kbh, stride_ksc,
+                      q.dtype)
+        v = load_kv(V_buf, V_scale, slot[:, None], kv, offs_d[None, :],
+                    n_mask[:, None] & d_mask[None, :], stride_vbs, stride_vbh, stride_vsc,
+                    q.dtype)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k_t, v, n_mask[None, :], qk_scale,
                                      True, PRECISION, DOT_IN_FP32)
     return acc, m_i, l_i

@@ -88,22 +88,31 @@ def compile_kernel(fn: Any, name: str, arch: int, pointers: dict[str, str],
     return Compiled(name, kernel.metadata.shared, regs, spills)
 
 
-def configurations(level: str) -> list[tuple[torch.dtype, int, int]]:
-    """(dtype, head_dim, GQA group) points to compile."""
+def configurations(level: str, arch: int) -> list[tuple[torch.dtype, int, int, str | None]]:
+    """(dtype, head_dim, GQA group, 8-bit KV pool type or None) points to compile.  fp8 pools
+    need sm_89 or newer (Triton has no e4m3 before it)."""
+    pools = ["i8", "fp8e4nv", "fp8e5"] if arch >= 89 else ["i8", "fp8e5"]
     if level == "headline":  # the issue's H200 targets: bf16, head dim 128, 32 / 8 heads
-        return [(torch.bfloat16, 128, 4)]
+        return [(torch.bfloat16, 128, 4, kv) for kv in (None, *pools[:2])]
     if level == "default":
-        return [(torch.bfloat16, 128, 4), (torch.float32, 128, 4), (torch.float16, 64, 1),
-                (torch.float32, 16, 2)]
-    return [(dt, d, g) for dt in TRITON_TYPE for d in (16, 64, 128) for g in (1, 4, 8)]
+        return [(torch.bfloat16, 128, 4, None), (torch.float32, 128, 4, None),
+                (torch.float16, 64, 1, None), (torch.float32, 16, 2, None),
+                *[(torch.bfloat16, 128, 4, kv) for kv in pools], (torch.float32, 64, 1, "i8")]
+    return [(dt, d, g, kv) for dt in TRITON_TYPE for d in (16, 64, 128) for g in (1, 4, 8)
+            for kv in (None, *pools)]
 
 
 def check(arch: int, level: str) -> list[Compiled]:
     out = []
-    for dtype, dim, group in configurations(level):
+    stores = set()
+    for dtype, dim, group, kv in configurations(level, arch):
         ty = "*" + TRITON_TYPE[dtype]
+        # The pool's buffers, and its scales (an int8 pool's; the buffers stand in otherwise).
+        kv_ty = ty if kv is None else "*" + kv
+        pool = {"K_buf": kv_ty, "V_buf": kv_ty, "K_scale": "*fp16" if kv == "i8" else kv_ty,
+                "V_scale": "*fp16" if kv == "i8" else kv_ty}
         block_d = triton.next_power_of_2(dim)
-        tag = f"{TRITON_TYPE[dtype]} d{dim} g{group}"
+        tag = f"{TRITON_TYPE[dtype]} d{dim} g{group}" + ("" if kv is None else f" kv {kv}")
         common = dict(HEAD_DIM=dim, PRECISION=dot_precision(dtype), DOT_IN_FP32=False)
 
         dc = decode_config(dim, dtype)
@@ -113,7 +122,7 @@ def check(arch: int, level: str) -> list[Compiled]:
             out.append(compile_kernel(
                 _decode_split_kernel, f"decode_split{' cascade' if has_kv_start else ''} {tag}",
                 arch,
-                {"Q": ty, "K_buf": ty, "V_buf": ty, "Req_to_token": "*i32", "Table_rows": "*i64",
+                {"Q": ty, **pool, "Req_to_token": "*i32", "Table_rows": "*i64",
                  "Seq_lens": "*i64", "Token_idx": "*i64",
                  "Kv_start": "*i32" if has_kv_start else "*i64", "Mid_o": "*fp32",
                  "Mid_lse": "*fp32"},
@@ -125,7 +134,7 @@ def check(arch: int, level: str) -> list[Compiled]:
         cc = cascade_config(group, dim, dtype)
         out.append(compile_kernel(
             _shared_prefix_kernel, f"cascade_shared {tag}", arch,
-            {"Q": ty, "K_buf": ty, "V_buf": ty, "Req_to_token": "*i32", "Token_idx": "*i64",
+            {"Q": ty, **pool, "Req_to_token": "*i32", "Token_idx": "*i64",
              "Tile_row": "*i32", "Tile_len": "*i32", "Tile_ptr": "*i32", "Tile_members": "*i32",
              "Mid_o": "*fp32", "Mid_lse": "*fp32"},
             ("qk_scale",),
@@ -135,7 +144,7 @@ def check(arch: int, level: str) -> list[Compiled]:
         ec = extend_config(dim, dtype)
         out.append(compile_kernel(
             _extend_kernel, f"extend {tag}", arch,
-            {"Q": ty, "K": ty, "V": ty, "K_buf": ty, "V_buf": ty, "Out": ty,
+            {"Q": ty, "K": ty, "V": ty, **pool, "Out": ty,
              "Req_to_token": "*i32", "Item_req": "*i64", "Item_m": "*i64",
              "Req_table_row": "*i64", "Req_prefix": "*i64", "Req_extend": "*i64",
              "Req_start": "*i64"},
@@ -143,7 +152,7 @@ def check(arch: int, level: str) -> list[Compiled]:
             dict(GROUP=group, BLOCK_M=ec.block_m, BLOCK_N=ec.block_n, BLOCK_D=block_d, **common),
             num_warps=ec.num_warps, num_stages=ec.num_stages,
         ))
-        if group == 1:
+        if group == 1 and kv is None:
             # Plain: up to 8 splits; cascade: 2 x 64 splits (own + shared), its widest.
             for has_shared, block_s, warps in ((False, 8, 2), (True, 128, 4)):
                 out.append(compile_kernel(
@@ -155,9 +164,11 @@ def check(arch: int, level: str) -> list[Compiled]:
                              HAS_SHARED=has_shared),
                     num_warps=warps,
                 ))
+        if (dtype, dim, kv) not in stores:  # the store has no group
+            stores.add((dtype, dim, kv))
             out.append(compile_kernel(
                 _store_kv_kernel, f"store_kv {tag}", arch,
-                {"K": ty, "V": ty, "K_buf": ty, "V_buf": ty, "Loc": "*i64"}, (),
+                {"K": ty, "V": ty, **pool, "Loc": "*i64"}, (),
                 dict(NUM_KV_HEADS=8, HEAD_DIM=dim, BLOCK_H=8, BLOCK_D=block_d), num_warps=4,
             ))
     return out
@@ -167,7 +178,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     p.add_argument("--level", choices=("headline", "default", "full"), default="default",
-                   help="headline: bf16 d128 GQA 4 only; default: 4 points; full: 27 points")
+                   help="headline: bf16 d128 GQA 4 (float, int8 and fp8 pools); default: 10 points; "
+                        "full: every dtype, head dim, group and pool")
     args = p.parse_args()
     if interpreting():
         print("compile_check needs TRITON_INTERPRET=0 (the interpreter replaces the JIT kernels)",
@@ -181,7 +193,7 @@ def main() -> int:
         regs = "?" if c.regs is None else c.regs
         spills = "?" if c.spill_bytes is None else c.spill_bytes
         flag = "  OVER SHARED LIMIT" if over else ("  spills" if c.spill_bytes else "")
-        print(f"sm_{args.arch} {c.name:28s} shared {c.shared:7d} B  regs {regs:>4}  "
+        print(f"sm_{args.arch} {c.name:40s} shared {c.shared:7d} B  regs {regs:>4}  "
               f"local {spills:>5}{flag}")
     return 1 if failed else 0
 

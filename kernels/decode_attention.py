@@ -21,6 +21,11 @@ shared-prefix partials kept in workspace splits ``[S, 2S)``.
 
 The new token's own K/V must already be in the pool (``kv_store`` runs first): the table row's
 column ``seq_len - 1`` points at it.
+
+An 8-bit pool (kv_pool.py: int8 with a scale per slot and KV head, or fp8) is read in place:
+each K/V tile is widened to the query's dtype as it is loaded (``common.load_kv``), and the
+attention computes in that dtype.  A float pool compiles to the same code as before: the
+switches are the pool's element type, known when the kernel is compiled.
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ from radixserve.kernels.common import (
     attend_block,
     dot_in_fp32,
     dot_precision,
+    kv_compute_dtype,
+    kv_scales,
     last_dim_contiguous,
+    load_kv,
 )
 
 MAX_SPLITS = 64
@@ -51,9 +59,10 @@ def split_len(num_keys, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_buf, V_buf, Req_to_token, Table_rows, Seq_lens, Token_idx, Kv_start, Mid_o, Mid_lse,
+    Q, K_buf, V_buf, K_scale, V_scale, Req_to_token, Table_rows, Seq_lens, Token_idx, Kv_start,
+    Mid_o, Mid_lse,
     stride_qt, stride_qh,
-    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ksc, stride_vsc,
     stride_tab,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
@@ -84,10 +93,14 @@ def _decode_split_kernel(
         g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
         heads = kv * GROUP + offs_g
+        # The compute dtype: a float pool's own, the query's with an 8-bit pool.
+        dtype = K_buf.dtype.element_ty
+        if dtype.primitive_bitwidth == 8:
+            dtype = Q.dtype.element_ty
         q = tl.load(
             Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
             mask=g_mask[:, None] & d_mask[None, :], other=0.0,
-        ).to(K_buf.dtype.element_ty)
+        ).to(dtype)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -98,14 +111,12 @@ def _decode_split_kernel(
             n = n0 + offs_n
             n_mask = n < end
             slot = tl.load(table + n, mask=n_mask, other=0).to(tl.int64)
-            k_t = tl.load(
-                K_buf + slot[None, :] * stride_kbs + kv * stride_kbh + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None], other=0.0,
-            )
-            v = tl.load(
-                V_buf + slot[:, None] * stride_vbs + kv * stride_vbh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0,
-            )
+            k_t = load_kv(K_buf, K_scale, slot[None, :], kv, offs_d[:, None],
+                          n_mask[None, :] & d_mask[:, None], stride_kbs, stride_kbh, stride_ksc,
+                          dtype)
+            v = load_kv(V_buf, V_scale, slot[:, None], kv, offs_d[None, :],
+                        n_mask[:, None] & d_mask[None, :], stride_vbs, stride_vbh, stride_vsc,
+                        dtype)
             acc, m_i, l_i = attend_block(
                 acc, m_i, l_i, q, k_t, v, n_mask[None, :], qk_scale, True, PRECISION, DOT_IN_FP32
             )
@@ -169,7 +180,8 @@ class DecodeConfig:
 
 
 def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """Block sizes per head dim / dtype (tile of K plus tile of V per stage in shared memory)."""
+    """Block sizes per head dim / compute dtype (the pool's ``dtype``, also for an 8-bit pool:
+    its tiles are widened to it before they meet the query)."""
     wide = dtype == torch.float32 or head_dim > 128
     return DecodeConfig(block_n=32 if wide else 64, num_warps=4, num_stages=2)
 
@@ -218,13 +230,18 @@ def decode_attention(
     num_splits: int,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: DecodeConfig | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_slots, KV] an int8 pool's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Attention of one new token per request over its KV; writes ``out[token_idx]``."""
+    """Attention of one new token per request over its KV; writes ``out[token_idx]``.  An
+    8-bit pool computes in ``q``'s dtype (see the top of this file)."""
     batch = table_rows.shape[0]
     if batch == 0:
         return
     num_heads, head_dim, kv_heads = check_decode_layout(q, k_buf, v_buf, out, num_splits)
-    cfg = config or decode_config(head_dim, k_buf.dtype)
+    k_scale, v_scale, stride_ksc, stride_vsc = kv_scales(k_buf, v_buf, k_scale, v_scale)
+    dtype = kv_compute_dtype(q, k_buf)
+    cfg = config or decode_config(head_dim, dtype)
     group = num_heads // kv_heads
     q = last_dim_contiguous(q)
     if workspace is None:
@@ -237,16 +254,17 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
 
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, table_rows, seq_lens, token_idx, seq_lens, mid_o, mid_lse,
+        q, k_buf, v_buf, k_scale, v_scale, req_to_token, table_rows, seq_lens, token_idx,
+        seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1),
-        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), stride_ksc, stride_vsc,
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         scale * LOG2E, num_splits,
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-        PRECISION=dot_precision(k_buf.dtype), DOT_IN_FP32=dot_in_fp32(k_buf.dtype),
+        PRECISION=dot_precision(dtype), DOT_IN_FP32=dot_in_fp32(dtype),
         HAS_KV_START=False,  # seq_lens above stands in for the unread Kv_start
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -17,6 +17,10 @@ softmax over
 
 Each query row sees key 0 of one of the two phases in its first block, so no row's running
 max stays ``-inf``.
+
+An 8-bit pool (kv_pool.py) is read in place: its prefix tiles are widened to the query's dtype
+as they are loaded (``common.load_kv``), this step's new keys are cast to it, and the attention
+computes in it.  A float pool compiles to the same code as before.
 """
 
 from __future__ import annotations
@@ -34,16 +38,18 @@ from radixserve.kernels.common import (
     attend_table_keys,
     dot_in_fp32,
     dot_precision,
+    kv_compute_dtype,
+    kv_scales,
     last_dim_contiguous,
 )
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, K_buf, V_buf, Out, Req_to_token,
+    Q, K, V, K_buf, V_buf, K_scale, V_scale, Out, Req_to_token,
     Item_req, Item_m, Req_table_row, Req_prefix, Req_extend, Req_start,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ksc, stride_vsc,
     stride_ot, stride_tab,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -65,7 +71,10 @@ def _extend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < extend_len
     d_mask = offs_d < HEAD_DIM
+    # The compute dtype: a float pool's own, the query's with an 8-bit pool.
     dtype = K_buf.dtype.element_ty
+    if dtype.primitive_bitwidth == 8:
+        dtype = Q.dtype.element_ty
     q = tl.load(
         Q + (token_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
@@ -78,8 +87,9 @@ def _extend_kernel(
     # Phase 1: cached prefix, table columns [0, prefix_len).
     table = Req_to_token + row * stride_tab
     acc, m_i, l_i = attend_table_keys(
-        acc, m_i, l_i, q, table, 0, prefix_len, K_buf, V_buf, kv,
-        stride_kbs, stride_kbh, stride_vbs, stride_vbh, m_mask, offs_d, d_mask,
+        acc, m_i, l_i, q, table, 0, prefix_len, K_buf, V_buf, K_scale, V_scale, kv,
+        stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ksc, stride_vsc,
+        m_mask, offs_d, d_mask,
         qk_scale, BLOCK_N, PRECISION, DOT_IN_FP32,
     )
 
@@ -122,7 +132,8 @@ class ExtendConfig:
 
 
 def extend_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
-    """Tile sizes per head dim / dtype; BLOCK_M is a multiple of BLOCK_N (see the kernel)."""
+    """Tile sizes per head dim / compute dtype (the pool's ``dtype``, also for an 8-bit pool);
+    BLOCK_M is a multiple of BLOCK_N (see the kernel)."""
     if dtype == torch.float32 or head_dim > 128:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
     if head_dim > 64:
@@ -197,8 +208,11 @@ def extend_attention(
     req_to_token: torch.Tensor,  # [R, max_context] int32
     plan: ExtendPlan,
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_slots, KV] an int8 pool's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Attention of every new token of the plan's requests; writes their rows of ``out``."""
+    """Attention of every new token of the plan's requests; writes their rows of ``out``.  An
+    8-bit pool computes in ``q``'s dtype (see the top of this file)."""
     num_items = plan.item_req.shape[0]
     if num_items == 0:
         return
@@ -208,18 +222,20 @@ def extend_attention(
         raise ValueError(f"{num_heads} query heads are not a multiple of {kv_heads} KV heads")
     if out.stride(-1) != 1 or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1:
         raise ValueError("out and the KV pool must be contiguous along head_dim")
+    k_scale, v_scale, stride_ksc, stride_vsc = kv_scales(k_buf, v_buf, k_scale, v_scale)
+    dtype = kv_compute_dtype(q, k_buf)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     cfg = plan.config
     _extend_kernel[(num_items, num_heads)](
-        q, k, v, k_buf, v_buf, out, req_to_token,
+        q, k, v, k_buf, v_buf, k_scale, v_scale, out, req_to_token,
         plan.item_req, plan.item_m, plan.table_rows, plan.prefix_lens, plan.extend_lens,
         plan.token_starts,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), stride_ksc, stride_vsc,
         out.stride(0), req_to_token.stride(0),
         scale * LOG2E,
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        PRECISION=dot_precision(k_buf.dtype), DOT_IN_FP32=dot_in_fp32(k_buf.dtype),
+        PRECISION=dot_precision(dtype), DOT_IN_FP32=dot_in_fp32(dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -26,6 +26,8 @@ Three launches, all sized from tensor shapes (nothing is read back from the devi
 
 The plan is built on the host (``build_cascade_plan``, numpy) from the host copy of the
 request-to-token table; the caller uploads its arrays with the rest of the step's metadata.
+
+An 8-bit pool is read in place as in ``decode_attention``: tiles widened to the query's dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from radixserve.kernels.common import (
     attend_table_keys,
     dot_in_fp32,
     dot_precision,
+    kv_compute_dtype,
+    kv_scales,
     last_dim_contiguous,
 )
 from radixserve.kernels.decode_attention import (
@@ -58,10 +62,10 @@ from radixserve.attention.paged_plan import find_shared_groups
 
 @triton.jit
 def _shared_prefix_kernel(
-    Q, K_buf, V_buf, Req_to_token, Token_idx,
+    Q, K_buf, V_buf, K_scale, V_scale, Req_to_token, Token_idx,
     Tile_row, Tile_len, Tile_ptr, Tile_members, Mid_o, Mid_lse,
     stride_qt, stride_qh,
-    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ksc, stride_vsc,
     stride_tab,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
@@ -89,10 +93,14 @@ def _shared_prefix_kernel(
         b = tl.load(Tile_members + first + member, mask=m_mask, other=0).to(tl.int64)
         token = tl.load(Token_idx + b, mask=m_mask, other=0).to(tl.int64)
         heads = kv * GROUP + offs_m % GROUP
+        # The compute dtype: a float pool's own, the query's with an 8-bit pool.
+        dtype = K_buf.dtype.element_ty
+        if dtype.primitive_bitwidth == 8:
+            dtype = Q.dtype.element_ty
         q = tl.load(
             Q + token[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
             mask=m_mask[:, None] & d_mask[None, :], other=0.0,
-        ).to(K_buf.dtype.element_ty)
+        ).to(dtype)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -100,8 +108,9 @@ def _shared_prefix_kernel(
         table = Req_to_token + tl.load(Tile_row + t).to(tl.int64) * stride_tab
         # Keys [start, end): whole blocks, then the tail (only the last split has one).
         acc, m_i, l_i = attend_table_keys(
-            acc, m_i, l_i, q, table, start, end, K_buf, V_buf, kv,
-            stride_kbs, stride_kbh, stride_vbs, stride_vbh, m_mask, offs_d, d_mask,
+            acc, m_i, l_i, q, table, start, end, K_buf, V_buf, K_scale, V_scale, kv,
+            stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ksc, stride_vsc,
+            m_mask, offs_d, d_mask,
             qk_scale, BLOCK_N, PRECISION, DOT_IN_FP32,
         )
 
@@ -155,7 +164,8 @@ def build_cascade_plan(
 
     ``table``: host request-to-token table [R, C]; ``rows``: table row of each decode row;
     ``seq_lens``: keys of each decode row, its new token included; ``group_size``: query heads
-    per KV head; ``dtype``: the KV pool's.
+    per KV head; ``dtype``: the compute dtype (the KV pool's ``dtype``, also when it stores 8
+    bits).
     """
     rows = np.asarray(rows, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -212,10 +222,13 @@ def cascade_decode_attention(
     scale: float,
     num_splits: int,
     workspace: tuple[torch.Tensor, torch.Tensor],  # from alloc_cascade_workspace
+    k_scale: torch.Tensor | None = None,  # [num_slots, KV] an int8 pool's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention with shared prefixes read once per group tile; writes
     ``out[token_idx]`` like ``decode_attention``.  The plan must come from
-    ``build_cascade_plan`` with this launch's G, head dim and KV dtype."""
+    ``build_cascade_plan`` with this launch's G, head dim and compute dtype (``q``'s with an
+    8-bit pool, else the pool's)."""
     batch = table_rows.shape[0]
     num_tiles = tile_row.shape[0]
     if batch == 0:
@@ -231,21 +244,24 @@ def cascade_decode_attention(
                          f"(alloc_cascade_workspace gives [B, H, 2 * num_splits, D])")
     if mid_o.stride(-1) != 1 or mid_lse.stride(-1) != 1:
         raise ValueError("cascade workspace must be contiguous along its last dim")
+    k_scale, v_scale, stride_ksc, stride_vsc = kv_scales(k_buf, v_buf, k_scale, v_scale)
+    dtype = kv_compute_dtype(q, k_buf)
     q = last_dim_contiguous(q)
     group = num_heads // kv_heads
-    dcfg = decode_config(head_dim, k_buf.dtype)
-    ccfg = cascade_config(group, head_dim, k_buf.dtype)
+    dcfg = decode_config(head_dim, dtype)
+    ccfg = cascade_config(group, head_dim, dtype)
     block_d = triton.next_power_of_2(head_dim)
     qk_scale = scale * LOG2E
-    precision, in_fp32 = dot_precision(k_buf.dtype), dot_in_fp32(k_buf.dtype)
+    precision, in_fp32 = dot_precision(dtype), dot_in_fp32(dtype)
     workspace_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                          mid_lse.stride(0), mid_lse.stride(1))
 
     # 1. Own keys [kv_start, seq_len) -> splits [0, S).
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, table_rows, seq_lens, token_idx, kv_start, mid_o, mid_lse,
+        q, k_buf, v_buf, k_scale, v_scale, req_to_token, table_rows, seq_lens, token_idx,
+        kv_start, mid_o, mid_lse,
         q.stride(0), q.stride(1),
-        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), stride_ksc, stride_vsc,
         req_to_token.stride(0),
         *workspace_strides,
         qk_scale, num_splits,
@@ -257,10 +273,11 @@ def cascade_decode_attention(
     # 2. Shared keys [0, tile_len) of every group tile -> its members' splits [S, 2S).
     if num_tiles:
         _shared_prefix_kernel[(num_tiles, kv_heads, num_splits)](
-            q, k_buf, v_buf, req_to_token, token_idx,
+            q, k_buf, v_buf, k_scale, v_scale, req_to_token, token_idx,
             tile_row, tile_len, tile_ptr, tile_members, mid_o, mid_lse,
             q.stride(0), q.stride(1),
             k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+            stride_ksc, stride_vsc,
             req_to_token.stride(0),
             *workspace_strides,
             qk_scale, num_splits,

@@ -37,9 +37,16 @@ def test_quick_cache_pressure_report(tmp_path, default_model_path) -> None:
     tiers = {r["policy"]: r for r in report["results"] if r["scenario"] == "tiers"}
     assert set(tiers) == set(TIER_CONFIGS)
     assert tiers["lru"]["cached_by_tier"]["host"] == tiers["lru"]["cached_by_tier"]["disk"] == 0
+    for r in tiers.values():  # every cached token counted once, by the tier it came from
+        assert sum(r["cached_by_tier"].values()) == r["cached_tokens"], r["policy"]
     assert tiers["host"]["cached_by_tier"]["host"] > 0 and tiers["host"]["cached_by_tier"]["disk"] == 0
     assert tiers["disk"]["cached_by_tier"]["disk"] > 0 and tiers["disk"]["cached_by_tier"]["host"] == 0
     assert tiers["host"]["hit_rate"] > tiers["lru"]["hit_rate"] and tiers["disk"]["hit_rate"] > tiers["lru"]["hit_rate"]
+    # An int8 pool in the same memory holds 3.88x the tokens of the float32 one.
+    assert tiers["int8-kv"]["kv_cache_dtype"] == "int8"
+    assert tiers["int8-kv"]["pool_tokens"] == tiers["lru"]["pool_tokens"] * 46080 // 11880
+    assert tiers["int8-kv"]["cached_by_tier"]["device"] > tiers["lru"]["cached_by_tier"]["device"]
+    assert tiers["int8-kv"]["hit_rate"] > tiers["lru"]["hit_rate"]
     # A restart on the folder the cold server wrote serves the whole system prompt from disk.
     restart = {r["policy"]: r for r in report["results"] if r["scenario"] == "restart"}
     assert restart["cold"]["cached_tokens"] == 0

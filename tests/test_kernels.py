@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -311,6 +312,22 @@ def test_extend_work_items_cover_every_token_once() -> None:
 # ------------------------------------------------------------------------------ backend
 
 
+def prepared_step(name: str, case: Case, pool: KVPool, cascade: bool = False) -> tuple[Any, ForwardBatch]:
+    """Backend ``name`` with the case's step planned over ``pool`` (forward not yet run);
+    ``cascade``: the Triton backend knows the head layout, so it plans shared prefixes."""
+    backend = create_backend(name)
+    if cascade:
+        backend.layer = case.layer
+    fb = ForwardBatch.build(
+        input_ids=[0] * case.q.shape[0], prefix_lens=case.prefix_lens,
+        extend_lens=case.extend_lens, req_pool_indices=case.table_rows,
+        out_cache_loc=case.new_slots, req_to_token=case.req_to_token, kv_pool=pool,
+        attn_backend=backend, device=DEVICE,
+    )
+    backend.prepare(fb)
+    return backend, fb
+
+
 def run_backends(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(triton out, torch backend out, float64 reference) on the same inputs.
 
@@ -322,14 +339,7 @@ def run_backends(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         for dst, src in zip(pool.k_buffers + pool.v_buffers,
                             case.pool.k_buffers + case.pool.v_buffers, strict=True):
             dst.copy_(src)
-        backend = create_backend(name)
-        fb = ForwardBatch.build(
-            input_ids=[0] * case.q.shape[0], prefix_lens=case.prefix_lens,
-            extend_lens=case.extend_lens, req_pool_indices=case.table_rows,
-            out_cache_loc=case.new_slots, req_to_token=case.req_to_token, kv_pool=pool,
-            attn_backend=backend, device=DEVICE,
-        )
-        backend.prepare(fb)
+        backend, fb = prepared_step(name, case, pool)
         if name == "triton":
             width = case.q.shape[1] * case.q.shape[2]
             out = backend.forward(case.q, case.k, case.v, case.layer, fb,

@@ -28,10 +28,23 @@ NUM_LAYERS = 2
 
 
 def _dequantized(pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole layer as the kernels must read it, in float64."""
+    """The whole layer as the kernels must read it, in float64: the stored values times their
+    scales, turned back from the rotated basis."""
     k, v = pool.get_kv(layer)
     ks, vs = pool.get_scales(layer)
-    return dequantize_kv(k, ks, torch.float64), dequantize_kv(v, vs, torch.float64)
+    k, v = dequantize_kv(k, ks, torch.float64), dequantize_kv(v, vs, torch.float64)
+    if pool.rotated:
+        h = hadamard(pool.head_dim)
+        k, v = k @ h, v @ h
+    return k, v
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix, float64 (symmetric, orthogonal)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
 
 
 def _reference(q, k_pool, v_pool, slot_rows, extend_lens, num_heads, num_kv, scale):
@@ -83,17 +96,17 @@ def _run(slot_rows: list[list[int]], extend_lens: list[int], num_heads: int, num
     scale = 1 / math.sqrt(head_dim)
     out = backend.forward(q, k, v, AttentionLayerInfo(1, num_heads, num_kv, head_dim, scale), fb)
     assert out.dtype == dtype and out.shape == (total, num_heads * head_dim)
-    # This step's K/V were stored as quantize_kv stores them (the C++ store on the kernel path).
+    # This step's K/V were stored as the pool encodes them (the C++ store on the kernel path).
     k_pool, v_pool = pool.get_kv(1)
     k_scale, v_scale = pool.get_scales(1)
     for x, buf, sc in ((k, k_pool, k_scale), (v, v_pool, v_scale)):
-        want, want_scale = quantize_kv(x, pool.store_dtype)
+        want, want_scale = pool.encode(x)
         got = buf[new_slots]
         if sc is None:
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         else:
             assert torch.equal(sc[new_slots], want_scale)
-            # x / scale is computed once per element in both; they agree exactly here.
+            # The same rotation butterflies and x / scale per element in both: the same bits.
             assert torch.equal(got, want)
     kd, vd = _dequantized(pool, 1)
     ref = _reference(q, kd, vd, [torch.tensor(r) for r in slot_rows], extend_lens, num_heads, num_kv, scale)
@@ -135,12 +148,14 @@ def test_attention_reads_the_8bit_pool(kv_dtype: str, dtype: torch.dtype, path: 
     torch.testing.assert_close(out.double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_lone_decode_over_a_long_context(kv_dtype: str) -> None:
-    """One request over 1.5k keys: the kernel reads the cached range in split jobs."""
+def test_lone_decode_over_a_long_context(kv_dtype: str, dtype: torch.dtype) -> None:
+    """One request over 1.5k keys: the kernel reads the cached range in split jobs (under a
+    bfloat16 model, on the pair path where the CPU has AVX-512 BF16)."""
     rows = [list(range(64, 64 + 1500))]
-    out, ref, _ = _run(rows, [1], 9, 3, 64, torch.float32, kv_dtype, "kernel", seed=5)
-    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    out, ref, _ = _run(rows, [1], 9, 3, 64, dtype, kv_dtype, "kernel", seed=5)
+    torch.testing.assert_close(out.double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
 def test_quantization_error_is_bounded() -> None:
@@ -162,6 +177,26 @@ def test_quantization_error_is_bounded() -> None:
         assert ((back - x).abs()[normal] <= x.abs()[normal] * rel).all()
         big, _ = quantize_kv(torch.tensor([[[1e6, -1e6]]]), store)
         assert torch.isfinite(big.float()).all() and big.float()[0, 0, 0] == torch.finfo(store).max
+
+
+def test_rotation_is_hadamard_and_shrinks_the_int8_error() -> None:
+    """fwht is x @ H (normalised Sylvester), its own inverse; on keys with a few large channels
+    (as a model's are) the rotated int8 rows come back with less error."""
+    from radixserve.cache.kv_pool import fwht
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn((200, 3, 64), generator=gen)
+    torch.testing.assert_close(fwht(x).double(), x.double() @ hadamard(64), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fwht(fwht(x)), x, rtol=1e-5, atol=1e-5)
+    x[:, :, [3, 40]] *= 20  # outlier channels
+    plain = KVPool(300, 1, 3, 64, torch.float32, kv_cache_dtype="int8")
+    assert plain.rotated
+    slots = torch.arange(64, 264)
+    plain.set_kv(0, slots, x, x)
+    err_rotated = (plain.read(0, slots)[0] - x).pow(2).mean()
+    q, s = quantize_kv(x, torch.int8)
+    err_plain = (dequantize_kv(q, s, torch.float32) - x).pow(2).mean()
+    assert err_rotated < err_plain / 4
 
 
 def test_pool_bytes_count_the_smaller_element() -> None:

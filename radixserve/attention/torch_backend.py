@@ -70,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
         if pool.quantized and self._kernel is not None and fb.device.type == "cpu":
             k_pool, v_pool = pool.get_kv(layer.layer_id)
             self._kernel.store_kv_quant(k, v, k_pool, v_pool, _or_empty(k_scale), _or_empty(v_scale),
-                                        fb.out_cache_loc)
+                                        fb.out_cache_loc, pool.rotated)
         else:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         plan = fb.attn_metadata
@@ -85,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_pool, v_pool = pool.get_kv(layer.layer_id)
         out = self._kernel.paged_attention(
             q.contiguous(), k_pool, v_pool, _or_empty(k_scale), _or_empty(v_scale), fb.req_to_token,
-            *plan.args(), layer.scaling
+            *plan.args(), layer.scaling, pool.rotated
         )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 

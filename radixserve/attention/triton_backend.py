@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from radixserve.attention.base import AttentionBackend, AttentionLayerInfo  # noqa: E402
+from radixserve.cache.kv_pool import fwht  # noqa: E402
 from radixserve.kernels.common import num_sms  # noqa: E402
 from radixserve.kernels.decode_attention import (  # noqa: E402
     alloc_decode_workspace,
@@ -162,7 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
         members = np.diff(plan.tile_ptr)
         saved_keys = int((plan.tile_len.astype(np.int64) * (members - 1)).sum())
         pool = fb.kv_pool
-        key_bytes = 2 * pool.num_kv_heads * pool.head_dim * pool.dtype.itemsize * pool.num_layers
+        key_bytes = pool.bytes_per_token
         return saved_keys * key_bytes / DEVICE_BYTES_PER_S < pool.num_layers * GRAPH_SAVES_S_PER_LAYER
 
     def graph_plan(self, table_rows: torch.Tensor, seq_lens: torch.Tensor, token_idx: torch.Tensor,
@@ -193,10 +194,17 @@ class TritonAttentionBackend(AttentionBackend):
         """As the interface says; ``out`` ([T, H * D], q's dtype) may be passed in, and every
         element of it is overwritten."""
         meta: TritonAttentionMetadata = fb.attn_metadata
-        k_buf, v_buf = fb.kv_pool.get_kv(layer.layer_id)
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        pool = fb.kv_pool
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
+        k_scale, v_scale = pool.get_scales(layer.layer_id)
         if out is None:
             out = q.new_empty((q.shape[0], layer.num_heads * layer.head_dim))
+        if pool.rotated:
+            # The pool holds rows turned by the Hadamard matrix (kv_pool.py): turn q, k and v
+            # the same way, attend in that basis, and turn the output back below.
+            q, k, v = fwht(q).to(q.dtype), fwht(k), fwht(v)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v, k_scale, v_scale)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         dec = meta.decode
         if dec is not None:
             batch = dec.table_rows.shape[0]
@@ -207,6 +215,7 @@ class TritonAttentionBackend(AttentionBackend):
                 cascade_decode_attention(
                     q, k_buf, v_buf, out, fb.req_to_token, dec.table_rows, dec.seq_lens,
                     dec.token_idx, *dec.cascade, layer.scaling, dec.num_splits, dec.workspace,
+                    **scales,
                 )
             else:
                 if dec.workspace is None:
@@ -214,10 +223,13 @@ class TritonAttentionBackend(AttentionBackend):
                         batch, layer.num_heads, dec.num_splits, layer.head_dim, q.device)
                 decode_attention(
                     q, k_buf, v_buf, out, fb.req_to_token, dec.table_rows, dec.seq_lens,
-                    dec.token_idx, layer.scaling, dec.num_splits, dec.workspace,
+                    dec.token_idx, layer.scaling, dec.num_splits, dec.workspace, **scales,
                 )
         if meta.extend is not None:
             extend_attention(
-                q, k, v, k_buf, v_buf, out, fb.req_to_token, meta.extend, layer.scaling
+                q, k, v, k_buf, v_buf, out, fb.req_to_token, meta.extend, layer.scaling, **scales
             )
+        if pool.rotated:
+            heads = out.view(out.shape[0], layer.num_heads, layer.head_dim)
+            heads.copy_(fwht(heads))
         return out

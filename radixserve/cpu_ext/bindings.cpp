@@ -10,9 +10,9 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                               at::Tensor job_kv_begin, at::Tensor job_entry_ptr,
                               at::Tensor entry_row, at::Tensor entry_limit,
                               at::Tensor row_entry_ptr, at::Tensor row_entries,
-                              double scaling);
+                              double scaling, bool rotated);
 void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
-                    at::Tensor v_scale, at::Tensor slots);
+                    at::Tensor v_scale, at::Tensor slots, bool rotated);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor weight,
                            double eps);

@@ -4,7 +4,8 @@
 // launches alone on the default model.  Numerics are those of kv_pool.py's quantize_kv, its
 // reference: int8 scale = amax / 127 rounded to float16, values round-half-even(x / scale)
 // clamped to [-127, 127]; fp8 values saturated at the format's largest finite value, then cast
-// (c10's round-to-nearest-even conversion, as torch's).
+// (c10's round-to-nearest-even conversion, as torch's).  With `rotated` each row is first turned
+// into the Hadamard basis (kv_pool.fwht: the same butterflies, the same bits).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -18,6 +19,8 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+#include "vec.h"
 
 namespace {
 
@@ -50,7 +53,7 @@ void fp8_row(const float* x, int64_t n, F8* q) {
 // k, v: [n, KV, D] (float32 / bfloat16 / float16); k_pool, v_pool: [S, KV, D] 8-bit; k_scale,
 // v_scale: [S, KV] float16 for an int8 pool (empty otherwise); slots: [n] int64.
 void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
-                    at::Tensor v_scale, at::Tensor slots) {
+                    at::Tensor v_scale, at::Tensor slots, bool rotated) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [n, kv_heads, head_dim]");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == k.size(1) && k_pool.size(2) == k.size(2),
@@ -69,6 +72,7 @@ void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_
   auto kc = k.contiguous(), vc = v.contiguous();
   auto sl = slots.contiguous();
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2);
+  TORCH_CHECK(!rotated || (dim & (dim - 1)) == 0, "store_kv_quant: a rotated row's size must be a power of two");
   const int64_t num_slots = k_pool.size(0);
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
@@ -85,6 +89,7 @@ void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_
         const int64_t side = w / n, t = w % n;
         for (int64_t h = 0; h < heads; ++h) {
           row_as_float(srcs[side] + (t * heads + h) * dim, row.data(), dim);
+          if (rotated) hadamard_row(row.data(), dim);
           const int64_t dst = (sp[t] * heads + h) * dim;
           if (type == at::kChar) {
             quantize_int8_row(row.data(), dim, static_cast<int8_t*>(pools[side]->data_ptr()) + dst,

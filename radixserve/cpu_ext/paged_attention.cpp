@@ -28,10 +28,11 @@
 //    the default model's layer shapes, float32, one layer, against the gather path's SDPA):
 //    a 1024-token causal prompt 15.5 ms (SDPA 15.4; the 16-float version took 237), a decode of
 //    64 requests over 4 x 1k shared prefixes 2.0 ms (4.1), one request over 1k keys 0.13 ms (0.45).
-//  - 8-bit pools (kv_cache_dtype int8 / fp8_e4m3 / fp8_e5m2) run the float path with float32
-//    queries: each block's rows are widened to float once per task (int8 times the row's scale
-//    of its token and head; fp8 through the half-precision converter, see fp8_row), so every
-//    query row of the task shares one conversion.
+//  - 8-bit pools (kv_cache_dtype int8 / fp8_e4m3 / fp8_e5m2): each block's rows are widened to
+//    float once per task (int8 times the row's scale of its token and head; fp8 through the
+//    half-precision converter, see fp8_row), so every query row of the task shares one
+//    conversion.  Under a bfloat16 model with AVX-512 BF16 the widened rows are rounded to
+//    bfloat16 and take the pair path; otherwise the float path runs with float32 queries.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -157,14 +158,22 @@ inline void convert_row<Fp8E4M3>(const Fp8E4M3* src, float* dst, int n) { fp8_ro
 template <>
 inline void convert_row<Fp8E5M2>(const Fp8E5M2* src, float* dst, int n) { fp8_row(src, dst, n); }
 
-// An int8 row times its scale (n is a multiple of 16).
+// An int8 row times its scale (n is a multiple of 16).  Widened by the sign-extending
+// conversions: GCC lowers a vector-extension conversion from 8-bit lanes to scalar code.
 inline void int8_row(const int8_t* src, float scale, float* dst, int n) {
-  typedef int8_t v16c __attribute__((vector_size(16)));
   for (int i = 0; i < n; i += 16) {
-    v16c c;
-    std::memcpy(&c, src + i, sizeof(c));
-    const v16 f = __builtin_convertvector(c, v16) * scale;
-    std::memcpy(dst + i, &f, sizeof(f));
+#if defined(__AVX512F__)
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), _mm512_set1_ps(scale)));
+#elif defined(__AVX2__)
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int h = 0; h < 16; h += 8) {
+      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i + h));
+      _mm256_storeu_ps(dst + i + h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), sv));
+    }
+#else
+    for (int j = 0; j < 16; ++j) dst[i + j] = static_cast<float>(src[i + j]) * scale;
+#endif
   }
 }
 
@@ -419,41 +428,74 @@ inline void prefetch_rows(const int32_t* slots, int n, const KT* kp, const KT* v
 }
 
 #if RADIXSERVE_BF16_DOT
+// A zero bfloat16 row (head_dim <= 128) for the keys past a block's end.
+alignas(64) const uint16_t kZeroRow16[128] = {};
+
+// One K (or V) row of an 8-bit pool as bfloat16 bits in `dst`: widened to float (an int8 row
+// times its scale), then rounded to nearest even by the BF16 conversion instruction.
+template <typename KT, int D>
+inline void bf16_row(const KT* src, float scale, uint16_t* dst) {
+  for (int d = 0; d < D; d += 16) {
+    alignas(64) float f[16];
+    if constexpr (std::is_same_v<KT, int8_t>) {
+      int8_row(src + d, scale, f, 16);
+    } else {
+      convert_row(src + d, f, 16);
+    }
+    const __m512 x = _mm512_load_ps(f);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(x));
+  }
+}
+
+// The block's K and V rows as bfloat16 bits: pointers into a bfloat16 pool, or into
+// `kbuf` / `vbuf` where the pool holds 8 bits (converted once per task and block); keys past
+// `nk` point at a zero row.
+template <typename KT, int D>
+inline void block_rows16(const int32_t* slots, int nk, const KT* kp, const KT* vp, const at::Half* ks,
+                         const at::Half* vs, int64_t num_kv, int64_t kvh, uint16_t (*kbuf)[D],
+                         uint16_t (*vbuf)[D], const uint16_t** krow, const uint16_t** vrow) {
+  const int64_t kv_stride = num_kv * D;
+  for (int j = 0; j < nk; ++j) {
+    const int64_t off = slots[j] * kv_stride + kvh * D;
+    if constexpr (std::is_same_v<KT, at::BFloat16>) {
+      krow[j] = reinterpret_cast<const uint16_t*>(kp + off);
+      vrow[j] = reinterpret_cast<const uint16_t*>(vp + off);
+      continue;
+    } else {
+      const int64_t at_scale = slots[j] * num_kv + kvh;
+      bf16_row<KT, D>(kp + off, ks ? static_cast<float>(ks[at_scale]) : 1.f, kbuf[j]);
+      bf16_row<KT, D>(vp + off, vs ? static_cast<float>(vs[at_scale]) : 1.f, vbuf[j]);
+      krow[j] = kbuf[j];
+      vrow[j] = vbuf[j];
+    }
+  }
+  for (int j = nk; j < KB; ++j) krow[j] = vrow[j] = kZeroRow16;
+}
+
 // The K block as bfloat16 pairs transposed to [D/2][KB] (a 32-bit transpose) and the V block
-// as pairs of consecutive keys [KB/2][D]; keys past `nk` are zero.
+// as pairs of consecutive keys [KB/2][D], from the block's bfloat16 rows.
 template <int D>
-void load_pairs_bf16(const int32_t* slots, int nk, const at::BFloat16* kp, const at::BFloat16* vp,
-                     int64_t kv_stride, int64_t kvh, uint32_t (*kp2)[KB], uint32_t (*vp2)[D]) {
-  typedef uint16_t v16h __attribute__((vector_size(32)));
-  const uint16_t zeros[D] = {};
+void load_pairs_bf16(const uint16_t* const* krow, const uint16_t* const* vrow, uint32_t (*kp2)[KB],
+                     uint32_t (*vp2)[D]) {
   if constexpr (D / 2 < 16) {  // head_dim 16: fewer pairs than a tile
     for (int j = 0; j < KB; ++j) {
-      const uint32_t* k32 = j < nk
-          ? reinterpret_cast<const uint32_t*>(kp + slots[j] * kv_stride + kvh * D) : nullptr;
-      for (int dp = 0; dp < D / 2; ++dp) kp2[dp][j] = k32 ? k32[dp] : 0u;
+      const uint32_t* k32 = reinterpret_cast<const uint32_t*>(krow[j]);
+      for (int dp = 0; dp < D / 2; ++dp) kp2[dp][j] = k32[dp];
     }
   } else {
     // K: 16 x 16 tiles of (key, pair) words, transposed in registers.
     for (int j0 = 0; j0 < KB; j0 += 16) {
       for (int dp0 = 0; dp0 < D / 2; dp0 += 16) {
         v16i t[16];
-        for (int jj = 0; jj < 16; ++jj) {
-          const int j = j0 + jj;
-          if (j < nk) {
-            std::memcpy(&t[jj], kp + slots[j] * kv_stride + kvh * D + 2 * dp0, sizeof(v16i));
-          } else {
-            t[jj] = v16i{};
-          }
-        }
+        for (int jj = 0; jj < 16; ++jj) std::memcpy(&t[jj], krow[j0 + jj] + 2 * dp0, sizeof(v16i));
         transpose16(t);
         for (int i = 0; i < 16; ++i) std::memcpy(&kp2[dp0 + i][j0], &t[i], sizeof(v16i));
       }
     }
   }
   for (int jp = 0; jp < KB / 2; ++jp) {
-    const int j0 = 2 * jp, j1 = 2 * jp + 1;
-    const uint16_t* v0 = j0 < nk ? reinterpret_cast<const uint16_t*>(vp + slots[j0] * kv_stride + kvh * D) : zeros;
-    const uint16_t* v1 = j1 < nk ? reinterpret_cast<const uint16_t*>(vp + slots[j1] * kv_stride + kvh * D) : zeros;
+    const uint16_t* v0 = vrow[2 * jp];
+    const uint16_t* v1 = vrow[2 * jp + 1];
     for (int d = 0; d < D; d += 16) {
       v16h a, b;
       std::memcpy(&a, v0 + d, sizeof(a));
@@ -483,14 +525,15 @@ inline __m512 exp2_16(__m512 x) {
 // units), so the rescale of the row's accumulator is rare; weights stay below 2^LAZY_MAX.
 constexpr float LAZY_MAX = 8.f;
 
-// One task on a bfloat16 pool with AVX-512 BF16: KV head `kvh` of job `job`, entries [e0, e1).
+// One task on a bfloat16 pool (or an 8-bit one, its blocks converted to bfloat16) with AVX-512
+// BF16: KV head `kvh` of job `job`, entries [e0, e1).
 // Scores (base 2) stay in registers for CHUNK rows (8, or 4 for a decode request's few heads): Q.K by pair products, the online softmax
 // with a lazily raised max, the weights rounded to bfloat16 pairs by one instruction, then P.V
 // by pair products into the float32 accumulators.  Output as run_task's.
-template <typename QT, int D, int CHUNK>
-void run_task_pairs(const Plan& plan, const QT* q, const at::BFloat16* kp, const at::BFloat16* vp,
-                    int64_t num_heads, int64_t num_kv, int64_t group, float scaling, int64_t job,
-                    int64_t kvh, int64_t e0, int64_t e1, float* part, float* lse) {
+template <typename QT, typename KT, int D, int CHUNK>
+void run_task_pairs(const Plan& plan, const QT* q, const KT* kp, const KT* vp, const at::Half* ks,
+                    const at::Half* vs, int64_t num_heads, int64_t num_kv, int64_t group, float scaling,
+                    int64_t job, int64_t kvh, int64_t e0, int64_t e1, float* part, float* lse) {
   constexpr int ROWS = pair_rows<D>();
   constexpr int DV = D / 16;
   constexpr int DC = DV < 4 ? DV : 4;  // accumulator vectors per row held in registers in P.V
@@ -501,6 +544,11 @@ void run_task_pairs(const Plan& plan, const QT* q, const at::BFloat16* kp, const
   alignas(64) uint32_t kp2[D / 2][KB];
   alignas(64) uint32_t vp2[KB / 2][D];
   alignas(64) uint32_t pp[CHUNK][KB / 2];  // P[r][j, j+1] as bfloat16 pairs
+  constexpr int BUF = std::is_same_v<KT, at::BFloat16> ? 1 : KB;  // converted rows (8-bit pools)
+  alignas(64) uint16_t kbuf[BUF][D];
+  alignas(64) uint16_t vbuf[BUF][D];
+  const uint16_t* krow[KB];
+  const uint16_t* vrow[KB];
   float m[ROWS];
   __m512 l[ROWS];  // softmax denominators by lane
   int64_t limit[ROWS];
@@ -537,8 +585,9 @@ void run_task_pairs(const Plan& plan, const QT* q, const at::BFloat16* kp, const
 
   for (int64_t kb = kv_begin; kb < kv_end; kb += KB) {
     const int nk = static_cast<int>(std::min<int64_t>(KB, kv_end - kb));
-    prefetch_rows<at::BFloat16, D>(trow + kb + KB, next_block_keys(kb, kv_end), kp, vp, kv_stride, kvh);
-    load_pairs_bf16<D>(trow + kb, nk, kp, vp, kv_stride, kvh, kp2, vp2);
+    prefetch_rows<KT, D>(trow + kb + KB, next_block_keys(kb, kv_end), kp, vp, kv_stride, kvh);
+    block_rows16<KT, D>(trow + kb, nk, kp, vp, ks, vs, num_kv, kvh, kbuf, vbuf, krow, vrow);
+    load_pairs_bf16<D>(krow, vrow, kp2, vp2);
     for (int r = 0; r < padded; r += CHUNK) {
       __m512 s[CHUNK][2];
       for (int i = 0; i < CHUNK; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
@@ -607,8 +656,8 @@ void run_task_pairs(const Plan& plan, const QT* q, const at::BFloat16* kp, const
   }
 }
 #else
-template <typename QT, int D, int CHUNK>
-void run_task_pairs(const Plan&, const QT*, const at::BFloat16*, const at::BFloat16*, int64_t,
+template <typename QT, typename KT, int D, int CHUNK>
+void run_task_pairs(const Plan&, const QT*, const KT*, const KT*, const at::Half*, const at::Half*, int64_t,
                     int64_t, int64_t, float, int64_t, int64_t, int64_t, int64_t, float*, float*) {}
 #endif
 
@@ -768,12 +817,15 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, const a
 template <typename QT, typename KT, int D>
 void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, const KT* vp,
               const at::Half* ks, const at::Half* vs, int64_t num_heads, int64_t num_kv, float scaling,
-              float* part, float* lse) {
+              bool bf16_model, float* part, float* lse) {
   const int64_t group = num_heads / num_kv;
-  // A bfloat16 pool on a CPU with AVX-512 BF16 runs every task on the pair path
-  // (run_task_pairs); other pools, or a CPU without those instructions, on the float path.
-  constexpr bool PAIRS = RADIXSERVE_BF16_DOT && std::is_same_v<KT, at::BFloat16>;
-  const int64_t per_task = std::max<int64_t>(1, (PAIRS ? pair_rows<D>() : MAX_ROWS) / group);
+  // On a CPU with AVX-512 BF16 a bfloat16 pool runs every task on the pair path
+  // (run_task_pairs), and so does an 8-bit pool under a bfloat16 model (`bf16_model`: its
+  // blocks rounded to bfloat16, as a bfloat16 pool would hold them); other pools, or a CPU
+  // without those instructions, run the float path.
+  constexpr bool PAIR_TYPE = RADIXSERVE_BF16_DOT && (std::is_same_v<KT, at::BFloat16> || sizeof(KT) == 1);
+  const bool pairs = PAIR_TYPE && (std::is_same_v<KT, at::BFloat16> || bf16_model);
+  const int64_t per_task = std::max<int64_t>(1, (pairs ? pair_rows<D>() : MAX_ROWS) / group);
   // Tasks (job, first entry), heaviest first (keys read x rows), handed out one at a time
   // from a shared counter: a static split would give one thread every shared-prefix job.
   struct Task {
@@ -795,15 +847,17 @@ void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, con
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t t = next.fetch_add(1); t < n_tasks; t = next.fetch_add(1)) {
       const Task& task = tasks[t / num_kv];
-      if constexpr (PAIRS) {
-        if ((task.e1 - task.e0) * group <= 4) {
-          run_task_pairs<QT, D, 4>(plan, q, kp, vp, num_heads, num_kv, group, scaling, task.job,
-                                   t % num_kv, task.e0, task.e1, part, lse);
+      if constexpr (PAIR_TYPE) {
+        if (pairs) {
+          if ((task.e1 - task.e0) * group <= 4) {
+            run_task_pairs<QT, KT, D, 4>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling,
+                                         task.job, t % num_kv, task.e0, task.e1, part, lse);
+          } else {
+            run_task_pairs<QT, KT, D, 8>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling,
+                                         task.job, t % num_kv, task.e0, task.e1, part, lse);
+          }
           continue;
         }
-        run_task_pairs<QT, D, 8>(plan, q, kp, vp, num_heads, num_kv, group, scaling, task.job,
-                                 t % num_kv, task.e0, task.e1, part, lse);
-        continue;
       }
       run_task<QT, KT, D>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling, task.job,
                           t % num_kv, task.e0, task.e1, part, lse);
@@ -814,14 +868,21 @@ void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, con
 template <typename QT, typename KT>
 void dispatch_dim(int64_t head_dim, const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp,
                   const KT* vp, const at::Half* ks, const at::Half* vs, int64_t num_heads, int64_t num_kv,
-                  float scaling, float* part, float* lse) {
+                  float scaling, bool bf16_model, float* part, float* lse) {
   switch (head_dim) {
-    case 16: return run_jobs<QT, KT, 16>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, part, lse);
-    case 32: return run_jobs<QT, KT, 32>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, part, lse);
-    case 64: return run_jobs<QT, KT, 64>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, part, lse);
-    case 128: return run_jobs<QT, KT, 128>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, part, lse);
+    case 16: return run_jobs<QT, KT, 16>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, bf16_model, part, lse);
+    case 32: return run_jobs<QT, KT, 32>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, bf16_model, part, lse);
+    case 64: return run_jobs<QT, KT, 64>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, bf16_model, part, lse);
+    case 128: return run_jobs<QT, KT, 128>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, bf16_model, part, lse);
     default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " not in {16, 32, 64, 128}");
   }
+}
+
+// `rows` vectors of `n` floats into (or back from: H is its own inverse) the Hadamard basis.
+void hadamard_rows(float* x, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) hadamard_row(x + r * n, n);
+  });
 }
 
 // Merge the partials of each output row: row t's entries are [row_entry_ptr[t], ...[t+1]) of
@@ -862,14 +923,14 @@ void merge_rows(const float* part, const float* lse, const int64_t* row_entry_pt
 }  // namespace
 
 // q: [T, H, D]; k_pool, v_pool: [S, KV, D]; k_scale, v_scale: [S, KV] float16 for an int8 pool,
-// empty otherwise; table: [R, C] int32; plan tensors int64 (see top).  Returns [T, H, D] in q's
-// dtype.
+// empty otherwise; table: [R, C] int32; plan tensors int64 (see top); rotated: an 8-bit pool
+// whose K/V are stored in the Hadamard basis.  Returns [T, H, D] in q's dtype.
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                               at::Tensor k_scale, at::Tensor v_scale, at::Tensor table, at::Tensor job_row,
                               at::Tensor job_kv_begin, at::Tensor job_entry_ptr,
                               at::Tensor entry_row, at::Tensor entry_limit,
                               at::Tensor row_entry_ptr, at::Tensor row_entries,
-                              double scaling) {
+                              double scaling, bool rotated) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q/k_pool/v_pool must be 3-D");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "q, k_pool and v_pool must be contiguous");
@@ -897,8 +958,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   const float scale = static_cast<float>(scaling);
 
   const auto kv_type = k_pool.scalar_type();
+  TORCH_CHECK(!rotated || (kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2),
+              "paged_attention: only an 8-bit pool is rotated");
   if (kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2) {
-    // An 8-bit pool: float32 queries and outputs (one instantiation per pool type).
+    // An 8-bit pool: float32 queries and outputs (one instantiation per pool type); under a
+    // bfloat16 model the pair path rounds queries and K/V blocks to bfloat16.
+    const bool bf16_model = q.scalar_type() == at::kBFloat16;
     const at::Half* ks = nullptr;
     const at::Half* vs = nullptr;
     if (kv_type == at::kChar) {
@@ -910,7 +975,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
       ks = k_scale.data_ptr<at::Half>();
       vs = v_scale.data_ptr<at::Half>();
     }
+    // A rotated pool holds H k and H v (H orthogonal and symmetric): q.k = (H q).(H k), and the
+    // output comes out as H o, turned back by H.
     auto qf = q.to(at::kFloat).contiguous();
+    if (rotated) {
+      if (qf.data_ptr() == q.data_ptr()) qf = qf.clone();
+      hadamard_rows(qf.data_ptr<float>(), num_rows * num_heads, head_dim);
+    }
     auto out = at::empty_like(qf);
     const float* qp = qf.data_ptr<float>();
     const void* kp = k_pool.data_ptr();
@@ -918,18 +989,19 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
     if (kv_type == at::kChar) {
       dispatch_dim<float, int8_t>(head_dim, plan, num_jobs, qp, static_cast<const int8_t*>(kp),
                                   static_cast<const int8_t*>(vp), ks, vs, num_heads, num_kv, scale,
-                                  part.data_ptr<float>(), lse.data_ptr<float>());
+                                  bf16_model, part.data_ptr<float>(), lse.data_ptr<float>());
     } else if (kv_type == at::kFloat8_e4m3fn) {
       dispatch_dim<float, Fp8E4M3>(head_dim, plan, num_jobs, qp, static_cast<const Fp8E4M3*>(kp),
                                    static_cast<const Fp8E4M3*>(vp), nullptr, nullptr, num_heads, num_kv,
-                                   scale, part.data_ptr<float>(), lse.data_ptr<float>());
+                                   scale, bf16_model, part.data_ptr<float>(), lse.data_ptr<float>());
     } else {
       dispatch_dim<float, Fp8E5M2>(head_dim, plan, num_jobs, qp, static_cast<const Fp8E5M2*>(kp),
                                    static_cast<const Fp8E5M2*>(vp), nullptr, nullptr, num_heads, num_kv,
-                                   scale, part.data_ptr<float>(), lse.data_ptr<float>());
+                                   scale, bf16_model, part.data_ptr<float>(), lse.data_ptr<float>());
     }
     merge_rows<float>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
                       row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, out.data_ptr<float>());
+    if (rotated) hadamard_rows(out.data_ptr<float>(), num_rows * num_heads, head_dim);
     return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
   }
 
@@ -940,7 +1012,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_pool.scalar_type(), "paged_attention", [&] {
     using T = scalar_t;
     dispatch_dim<T, T>(head_dim, plan, num_jobs, qk.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(),
-                       nullptr, nullptr, num_heads, num_kv, scale, part.data_ptr<float>(), lse.data_ptr<float>());
+                       nullptr, nullptr, num_heads, num_kv, scale, false, part.data_ptr<float>(),
+                       lse.data_ptr<float>());
     merge_rows<T>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
                   row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, out.data_ptr<T>());
   });

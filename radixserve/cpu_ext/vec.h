@@ -9,6 +9,7 @@
 // torch's SDPA.  Code that shuffles uses ``vf`` (W lanes); v16 stays for elementwise loops.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -80,5 +81,54 @@ inline V vexp(V x) {
   return dead ? splat_as<V>(0.0f) : r;
 }
 inline v16 exp16(v16 x) { return vexp(x); }
+
+// One butterfly stage of span H inside a W-lane vector: lane i with bit H clear becomes
+// x[i] + x[i ^ H], lane i with it set x[i ^ H] - x[i] (the pair (a, b) -> (a + b, a - b)).
+template <int H>
+inline vf butterfly_w(vf x) {
+  vi lanes;
+  for (int i = 0; i < W; ++i) lanes[i] = i;
+  const vf p = __builtin_shuffle(x, lanes ^ H);
+  return (lanes & H) != 0 ? p - x : x + p;
+}
+
+// A vector of `n` floats (a power of two) times the normalised Hadamard matrix in Sylvester's
+// order, in place: the basis an 8-bit KV pool stores K and V in (kv_pool.py).  The butterflies
+// (spans 1, 2, 4, ... in that order; those below W inside each vector) and the final scale are
+// those of kv_pool.fwht, so both give the same bits.
+inline void hadamard_row(float* v, int64_t n) {
+  const float s = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  if (n % W != 0) {  // shorter than a vector: one element at a time
+    for (int64_t h = 1; h < n; h <<= 1) {
+      for (int64_t i = 0; i < n; i += 2 * h) {
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = v[j], b = v[j + h];
+          v[j] = a + b;
+          v[j + h] = a - b;
+        }
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) v[i] *= s;
+    return;
+  }
+  for (int64_t k = 0; k < n; k += W) {
+    vf x = loadw(v + k);
+    x = butterfly_w<1>(x);
+    x = butterfly_w<2>(x);
+    x = butterfly_w<4>(x);
+    if (W == 16) x = butterfly_w<W / 2>(x);
+    storew(v + k, x);
+  }
+  for (int64_t h = W; h < n; h <<= 1) {
+    for (int64_t i = 0; i < n; i += 2 * h) {
+      for (int64_t j = i; j < i + h; j += W) {
+        const vf a = loadw(v + j), b = loadw(v + j + h);
+        storew(v + j, a + b);
+        storew(v + j + h, a - b);
+      }
+    }
+  }
+  for (int64_t k = 0; k < n; k += W) storew(v + k, loadw(v + k) * s);
+}
 
 }  // namespace

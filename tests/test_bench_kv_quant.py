@@ -1,0 +1,23 @@
+"""bench/kv_quant.py in a small run: the report's shape and what does not depend on noise."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_kv_quant_report(tmp_path, default_model_path) -> None:
+    from bench.kv_quant import main
+
+    out = tmp_path / "kv_quant.json"
+    report = main(["--quick", "--dtypes", "float32", "--kv-dtypes", "int8", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    rows = {r["kv_cache_dtype"]: r for r in report["results"]}
+    assert set(rows) == {"auto", "int8"}
+    # The default model: 30 layers x 3 KV heads x (64 values + a float16 scale) x K and V.
+    assert rows["auto"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert rows["int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 2)
+    assert rows["int8"]["tokens_ratio"] >= 3.8
+    assert 0.0 <= rows["int8"]["identical"] <= 1.0 and len(rows["int8"]["output_ids"]) == len(report["prompt_tokens"])
+    # A 256-token document makes the long prompt the longest.
+    assert max(report["prompt_tokens"]) > 256
+    assert {t["target"] for t in report["targets"]} >= {"int8 KV identical greedy tokens >="}
