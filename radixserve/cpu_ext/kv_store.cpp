@@ -31,11 +31,35 @@ void row_as_float(const T* src, float* dst, int64_t n) {
 
 void quantize_int8_row(const float* x, int64_t n, int8_t* q, at::Half* scale) {
   float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+#if defined(__AVX512F__)
+  const bool vec = n % 16 == 0;
+  if (vec) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    amax = _mm512_reduce_max_ps(m);
+  }
+#else
+  const bool vec = false;
+#endif
+  if (!vec) {
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  }
   const at::Half s = static_cast<at::Half>(amax / 127.f);
   *scale = s;
   const float sf = static_cast<float>(s);
   const float div = sf > 0.f ? sf : 1.f;
+#if defined(__AVX512F__)
+  if (vec) {  // the same IEEE division and round-half-even as below, 16 at a time
+    const __m512 dv = _mm512_set1_ps(div), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), dv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(c));
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < n; ++i) {
     const float r = std::nearbyint(x[i] / div);
     q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));

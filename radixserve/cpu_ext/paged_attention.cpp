@@ -878,19 +878,25 @@ void dispatch_dim(int64_t head_dim, const Plan& plan, int64_t num_jobs, const QT
   }
 }
 
-// `rows` vectors of `n` floats into (or back from: H is its own inverse) the Hadamard basis.
-void hadamard_rows(float* x, int64_t rows, int64_t n) {
+// `src` ([rows, n], any float type) as float32 rows, turned into the Hadamard basis when
+// `rotated` (one pass, both cores).
+template <typename T>
+void float_rows(const T* src, int64_t rows, int64_t n, bool rotated, float* dst) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) hadamard_row(x + r * n, n);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t d = 0; d < n; ++d) dst[r * n + d] = to_float(src[r * n + d]);
+      if (rotated) hadamard_row(dst + r * n, n);
+    }
   });
 }
 
 // Merge the partials of each output row: row t's entries are [row_entry_ptr[t], ...[t+1]) of
-// `row_entries`; out[t] = sum_e w_e part_e / sum_e w_e with w_e = e^{lse_e - max}.
+// `row_entries`; out[t] = sum_e w_e part_e / sum_e w_e with w_e = e^{lse_e - max}; with
+// `rotated` each merged head row is turned back from the Hadamard basis before it is written.
 template <typename OT>
 void merge_rows(const float* part, const float* lse, const int64_t* row_entry_ptr,
                 const int64_t* row_entries, int64_t num_rows, int64_t num_heads, int64_t head_dim,
-                OT* out) {
+                bool rotated, OT* out) {
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(head_dim);
     for (int64_t t = begin; t < end; ++t) {
@@ -899,22 +905,28 @@ void merge_rows(const float* part, const float* lse, const int64_t* row_entry_pt
         OT* dst = out + (t * num_heads + h) * head_dim;
         if (p1 - p0 == 1) {
           const float* src = part + (row_entries[p0] * num_heads + h) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<OT>(src[d]);
-          continue;
+          if (!rotated) {
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<OT>(src[d]);
+            continue;
+          }
+          std::copy(src, src + head_dim, buf.begin());
+        } else {
+          float top = NEG;
+          for (int64_t p = p0; p < p1; ++p) top = std::max(top, lse[row_entries[p] * num_heads + h]);
+          float total = 0.f;
+          std::fill(buf.begin(), buf.end(), 0.f);
+          for (int64_t p = p0; p < p1; ++p) {
+            const int64_t e = row_entries[p];
+            const float w = std::exp(lse[e * num_heads + h] - top);
+            total += w;
+            const float* src = part + (e * num_heads + h) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) buf[d] += w * src[d];
+          }
+          const float inv = 1.f / total;
+          for (int64_t d = 0; d < head_dim; ++d) buf[d] *= inv;
         }
-        float top = NEG;
-        for (int64_t p = p0; p < p1; ++p) top = std::max(top, lse[row_entries[p] * num_heads + h]);
-        float total = 0.f;
-        std::fill(buf.begin(), buf.end(), 0.f);
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t e = row_entries[p];
-          const float w = std::exp(lse[e * num_heads + h] - top);
-          total += w;
-          const float* src = part + (e * num_heads + h) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) buf[d] += w * src[d];
-        }
-        const float inv = 1.f / total;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<OT>(buf[d] * inv);
+        if (rotated) hadamard_row(buf.data(), head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<OT>(buf[d]);
       }
     }
   });
@@ -961,8 +973,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   TORCH_CHECK(!rotated || (kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2),
               "paged_attention: only an 8-bit pool is rotated");
   if (kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2) {
-    // An 8-bit pool: float32 queries and outputs (one instantiation per pool type); under a
-    // bfloat16 model the pair path rounds queries and K/V blocks to bfloat16.
+    // An 8-bit pool: float32 queries (one instantiation per pool type), outputs in q's dtype;
+    // under a bfloat16 model the pair path rounds queries and K/V blocks to bfloat16.
     const bool bf16_model = q.scalar_type() == at::kBFloat16;
     const at::Half* ks = nullptr;
     const at::Half* vs = nullptr;
@@ -976,13 +988,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
       vs = v_scale.data_ptr<at::Half>();
     }
     // A rotated pool holds H k and H v (H orthogonal and symmetric): q.k = (H q).(H k), and the
-    // output comes out as H o, turned back by H.
-    auto qf = q.to(at::kFloat).contiguous();
-    if (rotated) {
-      if (qf.data_ptr() == q.data_ptr()) qf = qf.clone();
-      hadamard_rows(qf.data_ptr<float>(), num_rows * num_heads, head_dim);
-    }
-    auto out = at::empty_like(qf);
+    // output comes out as H o, turned back by H as the rows are merged.
+    auto qf = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+    auto out = at::empty_like(q);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_q", [&] {
+      float_rows<scalar_t>(q.data_ptr<scalar_t>(), num_rows * num_heads, head_dim, rotated, qf.data_ptr<float>());
+    });
     const float* qp = qf.data_ptr<float>();
     const void* kp = k_pool.data_ptr();
     const void* vp = v_pool.data_ptr();
@@ -999,10 +1010,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                    static_cast<const Fp8E5M2*>(vp), nullptr, nullptr, num_heads, num_kv,
                                    scale, bf16_model, part.data_ptr<float>(), lse.data_ptr<float>());
     }
-    merge_rows<float>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
-                      row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, out.data_ptr<float>());
-    if (rotated) hadamard_rows(out.data_ptr<float>(), num_rows * num_heads, head_dim);
-    return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_out", [&] {
+      merge_rows<scalar_t>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
+                           row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, rotated,
+                           out.data_ptr<scalar_t>());
+    });
+    return out;
   }
 
   // One element type for q and the pool (the model's dtype): every pair of types would be
@@ -1015,7 +1028,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                        nullptr, nullptr, num_heads, num_kv, scale, false, part.data_ptr<float>(),
                        lse.data_ptr<float>());
     merge_rows<T>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
-                  row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, out.data_ptr<T>());
+                  row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, false, out.data_ptr<T>());
   });
   if (qk.scalar_type() != q.scalar_type()) return out.to(q.scalar_type());
   return out;
