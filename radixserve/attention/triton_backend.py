@@ -12,6 +12,10 @@ one extend launch.  Everything they index with (table rows, lengths, work items,
 workspace) is planned once per forward in :meth:`TritonAttentionBackend.plan` from the host-side
 lists, and its arrays travel in the batch's one upload: no device sync.
 
+An 8-bit pool (``--kv-cache-dtype``) is read in place by the same kernels, its scales passed
+beside it; its rows are stored in the Hadamard basis (kv_pool.py), so q, k and v are turned
+into that basis before the launches and the output is turned back after them.
+
 Without a CUDA device the kernels run in Triton's interpreter (slow; for tests and CPU
 debugging): ``TRITON_INTERPRET=1`` is set before Triton is first imported, here and in
 ``radixserve.kernels``, so ``--attention-backend triton`` also works in a spawned scheduler.
