@@ -17,7 +17,8 @@ turned back by H (its own inverse).  The rotation spreads the few large channels
 all of them, so a row's ``amax`` (its int8 step) shrinks towards its RMS.  bench/kv_quant.py on the
 default model in float32 (eight chat prompts, four 1k-token ones): an int8 pool's mean |d logprob|
 of the reference tokens fell from 0.020 to 0.009 with it, and its greedy tokens went from 85% to
-100% identical to float32's on a Zen 4 CPU (84% on a Xeon, where three prompts meet a near tie).
+100% identical to float32's on a Zen 4 CPU (84-88% on a Xeon, where two or three prompts meet a
+near tie).
 
 Kernels read the 8-bit pool directly (the C++ paged kernel, the Triton kernels) and compute in
 the model's dtype; nothing keeps a dequantized copy of the pool.
