@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:  # run as a script from a source checkout
 
 from bench import serving  # noqa: E402
 from bench.common import Launched, free_port, machine_info, target_lines, write_json  # noqa: E402
+from radixserve.cli.bench import PROG_ENV  # noqa: E402
 from radixserve.config import SCHEDULE_MODES  # noqa: E402
 
 POLICIES = ("lpm", "fcfs")
@@ -301,7 +302,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
 
 if __name__ == "__main__":
+    PROG = os.environ.get(PROG_ENV)  # set by ``radixserve bench``
     try:
-        sys.exit(0 if all(r["report"]["summary"]["completed"] for r in main()["runs"]) else 1)
+        sys.exit(0 if all(r["report"]["summary"]["completed"] for r in main(prog=PROG)["runs"]) else 1)
     except (RuntimeError, ValueError) as e:
-        sys.exit(f"compare.py: error: {e}")
+        sys.exit(f"{PROG or 'compare.py'}: error: {e}")

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -57,6 +58,7 @@ from bench.workloads import (  # noqa: E402
     shared_prefix_workload,
     unique_prompts,
 )
+from radixserve.cli.bench import PROG_ENV  # noqa: E402
 
 WORKLOADS = ("shared-prefix", "multi-turn", "no-reuse", "trace")
 # (cached counter, prompt counter) pairs of /metrics: radixserve and SGLang name them alike.
@@ -522,7 +524,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
 
 if __name__ == "__main__":
+    PROG = os.environ.get(PROG_ENV)  # set by ``radixserve bench``
     try:
-        sys.exit(0 if main()["summary"]["completed"] else 1)
-    except (RuntimeError, ValueError) as e:
-        sys.exit(f"serving.py: error: {e}")
+        sys.exit(0 if main(prog=PROG)["summary"]["completed"] else 1)
+    except (RuntimeError, ValueError) as e:  # server unreachable, corpus too small, bad trace
+        sys.exit(f"{PROG or 'serving.py'}: error: {e}")

@@ -8,8 +8,9 @@
 - ``shared_prefix_decode``: cascade decode: a KV prefix that several requests share (same
   slots, one radix-tree path) is read once per group tile for all members' queries, then merged
   with each request's own keys by log-sum-exp (host plan: ``build_cascade_plan``).
+- ``groups``: which requests share a cached prefix (numpy only, also the CPU plan's).
 
-Importing any of them imports Triton.  Without a CUDA device, Triton can only run the kernels
+Importing any of the kernel modules imports Triton.  Without a CUDA device, Triton can only run the kernels
 in its interpreter, so this package opts into it (``TRITON_INTERPRET=1``) before anything
 imports Triton; tests on a CPU rely on that.
 """

@@ -56,8 +56,7 @@ from radixserve.kernels.decode_attention import (
     decode_config,
     split_len,
 )
-
-from radixserve.attention.paged_plan import find_shared_groups
+from radixserve.kernels.groups import find_shared_groups
 
 
 @triton.jit

@@ -13,7 +13,7 @@ they are tensors from the start).  Nothing here reads a device tensor back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -21,8 +21,17 @@ import torch
 from radixserve.transfer import Upload, resolve
 
 if TYPE_CHECKING:
-    from radixserve.attention.base import AttentionBackend
     from radixserve.cache.kv_pool import KVPool
+
+
+class AttentionBackend(Protocol):
+    """What a batch and the model's layers call on their attention backend (the interface
+    every backend implements is ``attention/base.py``'s, which sits above this module)."""
+
+    def prepare(self, fb: ForwardBatch) -> None: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
+                fb: ForwardBatch) -> torch.Tensor: ...
 
 
 @dataclass

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve import messages as m
+from radixserve.ipc import messages as m
 
 logger = logging.getLogger(__name__)
 

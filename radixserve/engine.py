@@ -12,23 +12,17 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 from radixserve.config import ServerArgs
-from radixserve.frontend.native_output import LogprobRequest, NativeOutput
-from radixserve.frontend.tokenizer_manager import RequestError, SchedulingHints, TokenizerManager
-from radixserve.launcher import ProcessGroup
+from radixserve.ipc.launcher import ProcessGroup
+from radixserve.runtime.client import RuntimeClient
+from radixserve.runtime.jobs import Job, PromptSpec, prepare_jobs, split_batch
+from radixserve.runtime.native_output import LogprobRequest, NativeOutput
+from radixserve.runtime.pieces import Piece
+from radixserve.runtime.tokenizer_manager import RequestError, SchedulingHints
 
 logger = logging.getLogger(__name__)
-WATCHDOG_INTERVAL_S = 0.5
-
-
-class Job(NamedTuple):
-    """One prompt of a call, validated: its ids, sampling and scheduling hints."""
-
-    ids: list[int]
-    params: Any  # SamplingParams
-    hints: SchedulingHints
 # Aggregating a long profile (hundreds of thousands of ops) takes a while on a small CPU.
 PROFILE_STOP_TIMEOUT_S = 600.0
 
@@ -46,9 +40,11 @@ class Engine:
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
             self._thread.start()
-            self.tm = TokenizerManager(self.tokenizer, info, self.procs.paths.scheduler, self.procs.paths.frontend)
-            self._call(self.tm.start())
-            self._watchdog = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
+            self.client = RuntimeClient(
+                self.procs, info, down_prefix="the engine is down: ", on_dead=self._on_dead,
+                down_note="the engine fails in-flight and later requests and stops its other processes")
+            self.tm = self.client.tm
+            self._call(self.client.start())
         except BaseException:
             self.shutdown()
             raise
@@ -58,67 +54,22 @@ class Engine:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            dead = self.procs.dead_process()
-            if dead:
-                logger.error("%s; the engine fails in-flight and later requests and stops "
-                             "its other processes", dead)
-                self.tm.fail_all(f"the engine is down: {dead}")
-                await asyncio.get_running_loop().run_in_executor(None, self.procs.shutdown)
-                return
+    async def _on_dead(self, reason: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.procs.shutdown)
 
-    def _normalize(
-        self,
-        prompt: str | list[str] | None,
-        sampling_params: dict | list[dict] | None,
-        input_ids: list[int] | list[list[int]] | None,
-        logprob_start_len: int = -1,
-        extra_key: str | list[str | None] | None = None,
-        priority: int = 0,
-        return_cache_report: bool = False,
-    ) -> tuple[bool, list[Job]]:
+    def _jobs(self, prompt: Any, sampling_params: Any, input_ids: Any, logprob_start_len: int = -1,
+              extra_key: Any = None, priority: int = 0, return_cache_report: bool = False) -> tuple[bool, list[Job]]:
         """Validate every request of the call up front; ValueError names the bad one."""
-        if prompt is None and input_ids is None:
-            raise ValueError("give prompt or input_ids")
-        if prompt is not None and input_ids is not None:
-            raise ValueError("give prompt or input_ids, not both")
-        if prompt is not None:
-            batched = isinstance(prompt, list)
-            prompts: list[Any] = prompt if batched else [prompt]
-            ids_list: list[Any] = [None] * len(prompts)
-        else:
-            batched = bool(input_ids) and isinstance(input_ids[0], list)
-            ids_list = input_ids if batched else [input_ids]
-            prompts = [None] * len(ids_list)
-        if batched and not prompts:
-            raise ValueError("the batch is empty")
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(
-                    f"{len(sampling_params)} sampling_params for {len(prompts)} prompts"
-                )
-            params_list = sampling_params
-        else:
-            if sampling_params is not None and not isinstance(sampling_params, dict):
-                raise ValueError("sampling_params must be a dict or a list of dicts")
-            params_list = [sampling_params] * len(prompts)
-        keys = extra_key if isinstance(extra_key, list) else [extra_key] * len(prompts)
-        if len(keys) != len(prompts):
-            raise ValueError(f"{len(keys)} extra_key values for {len(prompts)} prompts")
-        prepared = []
-        for i, (p, ids, sp, key) in enumerate(zip(prompts, ids_list, params_list, keys, strict=True)):
-            try:
-                ids, params = self.tm.prepare(p, ids, sp, logprob_start_len)
-                prepared.append(Job(ids, params, SchedulingHints(key or "", priority, cache_report=return_cache_report)))
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}" if batched else str(e)) from None
-        return batched, prepared
+        batched, specs = split_batch(prompt, input_ids, sampling_params, extra_key, priority=priority,
+                                     cache_report=return_cache_report)
 
-    def _pieces(self, job: Job, stream: bool, lp: LogprobRequest) -> AsyncIterator[dict[str, Any]]:
-        return self.tm.generate(job.ids, job.params, stream, lp.return_logprob, lp.top_logprobs_num,
-                                logprob_start_len=lp.scheduler_start(len(job.ids)), hints=job.hints)
+        def prepare(spec: PromptSpec) -> Any:
+            return self.tm.prepare(spec.text, spec.input_ids, spec.sampling, logprob_start_len)
+
+        return batched, prepare_jobs(specs, batched, prepare)
+
+    def _pieces(self, job: Job, stream: bool, lp: LogprobRequest) -> AsyncIterator[Piece]:
+        return self.client.pieces(job, lp, stream=stream)
 
     async def _collect(self, job: Job, lp: LogprobRequest) -> dict[str, Any]:
         out = NativeOutput(job.ids, lp, self.tokenizer)
@@ -165,7 +116,7 @@ class Engine:
 
         Each result: ``text``, ``output_ids`` and ``meta_info`` (``prompt_tokens``,
         ``cached_tokens``, ``completion_tokens``, ``finish_reason``), in the shape of the
-        native ``/generate`` route (both are built by ``frontend/native_output.py``).
+        native ``/generate`` route (both are built by ``runtime/native_output.py``).
         ``max_new_tokens = 0`` computes and caches the prompt only (finish reason length).
         ``stream=True`` (one prompt) yields pieces whose ``text``, ``output_ids`` and logprob
         lists are the new part only.  Batches of two or more show a progress bar unless
@@ -185,7 +136,7 @@ class Engine:
         ``return_cache_report`` adds ``meta_info.cache_report``: where the prompt's prefix match
         stopped, and the request's and the cache's text from there (as ``/generate``).
         """
-        batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len,
+        batched, prepared = self._jobs(prompt, sampling_params, input_ids, logprob_start_len,
                                             extra_key, priority, return_cache_report)
         lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
         if stream:
@@ -233,7 +184,7 @@ class Engine:
         priority: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio variant of :meth:`generate`, usable from any event loop."""
-        batched, prepared = self._normalize(prompt, sampling_params, input_ids, logprob_start_len,
+        batched, prepared = self._jobs(prompt, sampling_params, input_ids, logprob_start_len,
                                             extra_key, priority)
         lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
         if stream:
@@ -274,8 +225,8 @@ class Engine:
         # the pydantic chat models: imported by the first call, not by every engine's start
         from pydantic import ValidationError
 
-        from radixserve.frontend.chat_render import render_without_tools, validation_message
-        from radixserve.frontend.protocol import ApplyChatTemplateRequest
+        from radixserve.chat.messages import ApplyChatTemplateRequest
+        from radixserve.chat.render import render_without_tools, validation_message
 
         fields: dict[str, Any] = {"messages": messages, "continue_final_message": continue_final_message,
                                   "chat_template_kwargs": template_kwargs}
@@ -350,9 +301,9 @@ class Engine:
 
     def shutdown(self) -> None:
         if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._watchdog.cancel)
             try:
-                asyncio.run_coroutine_threadsafe(self.tm.close(), self._loop).result(5)
+                close = self.client.close("the engine is shut down")
+                asyncio.run_coroutine_threadsafe(close, self._loop).result(5)
             except (RuntimeError, TimeoutError, AttributeError) as e:
                 logger.warning("front end did not close cleanly: %r", e)
             self._loop.call_soon_threadsafe(self._loop.stop)

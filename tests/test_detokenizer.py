@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve import messages as m
 from radixserve.detokenizer import IncrementalDetokenizer
+from radixserve.ipc import messages as m
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,10 @@ import zmq
 from helpers.sched_driver import make_scheduler, run_until_idle, submit
 from helpers.server import ServerProcess, check_memory_idle, openai_client, server_info
 
-from radixserve import messages as m
 from radixserve.detokenizer import DetokenizerLoop, IncrementalDetokenizer
 from radixserve.frontend.openai_common import guarded_stream
-from radixserve.frontend.tokenizer_manager import RequestError
+from radixserve.ipc import messages as m
+from radixserve.runtime.tokenizer_manager import RequestError
 from radixserve.scheduler.process import _run_step, handle_frame
 
 EXIT_S = 10.0  # survivors must be gone this long after a kill

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve import messages as m
+from radixserve.ipc import messages as m
 
 MESSAGES = sorted(m._REGISTRY.values(), key=lambda c: c.TYPE)
 HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGES}

@@ -64,7 +64,7 @@ def test_prompts_differing_in_last_token_share_the_rest(tiny_model_dir) -> None:
 
 
 def test_prompt_logprobs_copies_still_compute_their_prompt(tiny_model_dir) -> None:
-    from radixserve.messages import GenerateReq
+    from radixserve.ipc.messages import GenerateReq
 
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=2048)

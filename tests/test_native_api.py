@@ -20,7 +20,7 @@ from helpers.server import (
     tiny_chat_server,
 )
 
-from radixserve.frontend.chat_render import ChatTemplateError, render_without_tools
+from radixserve.chat.render import ChatTemplateError, render_without_tools
 from radixserve.frontend.protocol import ApplyChatTemplateRequest
 
 server = tiny_chat_server("--max-total-tokens", "8000", "--context-length", "1024")

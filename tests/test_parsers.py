@@ -18,7 +18,7 @@ from helpers.tool_schemas import TIME, WEATHER
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.frontend.parsers import (
+from radixserve.chat.parsers import (
     HERMES,
     LLAMA3,
     MISTRAL,

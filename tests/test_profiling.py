@@ -11,7 +11,7 @@ import pytest
 from helpers.sched_driver import make_scheduler, run_until_idle
 
 from radixserve import Engine
-from radixserve import messages as m
+from radixserve.ipc import messages as m
 from radixserve.model.decoder import ATTENTION_SCOPE
 from radixserve.scheduler.process import handle_frame
 from radixserve.scheduler.profiling import CATEGORIES, FORWARD_SCOPE, SAMPLING_SCOPE, scope_seconds

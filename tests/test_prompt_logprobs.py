@@ -18,7 +18,7 @@ from helpers.oracle import hf_greedy, hf_model
 from helpers.sched_driver import make_scheduler, run_until_idle
 from helpers.server import memory_checked_after_each_test, openai_client, tiny_chat_server
 
-from radixserve.messages import GenerateReq
+from radixserve.ipc.messages import GenerateReq
 
 TOL = 1e-4
 

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ValidationError
 
 from radixserve.frontend.errors import _describe_validation
 from radixserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.frontend.protocol_base import IGNORED_FIELDS, UNSUPPORTED
 from radixserve.sampling import SamplingParams
+from radixserve.schema.base import IGNORED_FIELDS, UNSUPPORTED
 
 MSG = [{"role": "user", "content": "Is it sunny in Oslo?"}]
 VERDICT = {

@@ -194,7 +194,7 @@ def test_prefill_only_caches_the_prompt_and_samples_nothing(tiny_model_dir, page
 
 
 def test_bad_requests_are_answered_and_others_continue(tiny_model_dir) -> None:
-    from radixserve.messages import GenerateReq
+    from radixserve.ipc.messages import GenerateReq
 
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=512, context_length=64)

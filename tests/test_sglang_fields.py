@@ -14,10 +14,10 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from radixserve.chat.parsers import ContentDelta, ReasoningDelta, ToolCallStart
 from radixserve.frontend.chat_api import _hold_reasoning
 from radixserve.frontend.errors import _describe_validation
 from radixserve.frontend.openai_common import choice_rids
-from radixserve.frontend.parsers import ContentDelta, ReasoningDelta, ToolCallStart
 from radixserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from radixserve.frontend.sglang_fields import SGLANG_FIELDS, SGLangField
 from radixserve.sampling import SamplingParams
@@ -216,7 +216,7 @@ def test_model_on_generate_and_message_fields() -> None:
 
 
 def test_render_gives_reasoning_content_to_the_template() -> None:
-    from radixserve.frontend.chat_render import render_chat
+    from radixserve.chat.render import render_chat
 
     class Template:  # records the messages apply_chat_template gets
         chat_template = "{{ messages }}"

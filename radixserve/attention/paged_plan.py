@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixserve.kernels.groups import find_shared_groups
+
 # A shared job pays one extra partial output and merge per query row; below this many shared
 # tokens the own jobs read the prefix themselves.
 MIN_SHARED_TOKENS = 16
@@ -52,33 +54,6 @@ class KernelPlan:
                 self.entry_limit, self.row_entry_ptr, self.row_entries)
 
 
-def find_shared_groups(table: np.ndarray, rows: np.ndarray, prefix_lens: np.ndarray,
-                       min_shared: int = MIN_SHARED_TOKENS) -> list[tuple[np.ndarray, int]]:
-    """Requests (positions into ``rows``) whose cached prefixes start with the same slots, and
-    the length of the run of slots they all share (at most their shortest ``prefix_len``).
-
-    Two rows with the same first slot share a tree path (a slot belongs to one node), so
-    grouping by the first slot and measuring the common run finds the shared prefix.
-    """
-    candidates = np.flatnonzero(prefix_lens >= min_shared)
-    if len(candidates) < 2:
-        return []
-    firsts = table[rows[candidates], 0]
-    order = np.argsort(firsts, kind="stable")
-    bounds = np.flatnonzero(np.diff(firsts[order])) + 1
-    groups = []
-    for members in np.split(candidates[order], bounds):
-        if len(members) < 2:
-            continue
-        limit = int(prefix_lens[members].min())
-        sub = table[rows[members], :limit]
-        differs = np.flatnonzero((sub != sub[:1]).any(axis=0))
-        shared = int(differs[0]) if len(differs) else limit
-        if shared >= min_shared:
-            groups.append((np.sort(members), shared))
-    return groups
-
-
 def _token_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(starts[i], starts[i] + lens[i])`` over i."""
     total = int(lens.sum())
@@ -94,7 +69,7 @@ def build_plan(table: np.ndarray, rows: list[int], prefix_lens: list[int],
     ext = np.asarray(extend_lens, dtype=np.int64)
     num_tokens = int(ext.sum())
     starts = np.cumsum(ext) - ext
-    groups = find_shared_groups(table, rows_np, pre) if share else []
+    groups = find_shared_groups(table, rows_np, pre, MIN_SHARED_TOKENS) if share else []
 
     job_row, job_begin, job_sizes = [], [], []
     entry_rows, entry_limits = [], []

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from radixserve.attention.paged_plan import find_shared_groups
+from radixserve.kernels.groups import find_shared_groups
 
 if TYPE_CHECKING:
     from radixserve.attention.base import AttentionLayerInfo

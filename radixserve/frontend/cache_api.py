@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from radixserve.frontend.chat_render import ChatTemplateError, render_without_tools
+from radixserve.chat.render import ChatTemplateError, render_without_tools
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.protocol import ApplyChatTemplateRequest, CachePinRequest
 from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState
-from radixserve.frontend.tokenizer_manager import InvalidRequestError, SchedulingHints
+from radixserve.runtime.tokenizer_manager import InvalidRequestError, SchedulingHints
 
 router = APIRouter()
 
@@ -48,7 +48,7 @@ async def pin(body: CachePinRequest, request: Request) -> JSONBytesResponse:
     try:
         result = await st.tm.pin(ids, SchedulingHints(body.cache_salt or "", pin_ttl=body.ttl))
     except InvalidRequestError as e:
-        raise APIError(str(e), 400, param="ttl" if "ttl" in str(e) else None) from None
+        raise APIError(str(e), 400, param=e.param) from None
     return JSONBytesResponse({"success": True, **result})
 
 

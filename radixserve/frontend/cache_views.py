@@ -20,7 +20,7 @@ from radixserve.cache.tree_view import expand
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState
-from radixserve.frontend.tokenizer_manager import decode_divergence
+from radixserve.runtime.tokenizer_manager import decode_divergence
 
 router = APIRouter()
 TEXT_CHARS = 120  # decoded text shown at each end of a prefix

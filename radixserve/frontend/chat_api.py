@@ -17,7 +17,22 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from radixserve.frontend.chat_render import (
+from radixserve.chat.parsers import (
+    Delta,
+    ParsedMessage,
+    ParseSpec,
+    ReasoningDelta,
+    ToolCallStart,
+    ToolFormat,
+    ToolPlan,
+    ToolRequestError,
+    openai_deltas,
+    plan_tools,
+    prompt_opens_reasoning,
+    tool_call_grammar,
+    tool_format,
+)
+from radixserve.chat.render import (
     ChatTemplateError,
     render_chat,
     template_kwargs,
@@ -35,24 +50,10 @@ from radixserve.frontend.openai_common import (
     token_text,
     usage_dict,
 )
-from radixserve.frontend.parsers import (
-    ParsedMessage,
-    ParseSpec,
-    Piece,
-    ReasoningDelta,
-    ToolCallStart,
-    ToolFormat,
-    ToolPlan,
-    ToolRequestError,
-    openai_deltas,
-    plan_tools,
-    prompt_opens_reasoning,
-    tool_call_grammar,
-    tool_format,
-)
 from radixserve.frontend.protocol import ChatCompletionRequest
 from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState, collect, merge_pieces
+from radixserve.frontend.serving import ServerState, collect
+from radixserve.runtime.pieces import Piece, merge
 
 router = APIRouter()
 
@@ -125,10 +126,10 @@ def _message(spec: ParseSpec, text: str) -> tuple[dict[str, Any], bool]:
     return msg, bool(parsed.tool_calls)
 
 
-def _hold_reasoning(pieces: list[Piece], held: list[str], finished: bool) -> list[Piece]:
+def _hold_reasoning(pieces: list[Delta], held: list[str], finished: bool) -> list[Delta]:
     """``pieces`` with their reasoning deltas held back in ``held`` until something else
     follows (or the choice finishes): then the whole reasoning goes first, as one delta."""
-    out: list[Piece] = []
+    out: list[Delta] = []
     for p in pieces:
         if isinstance(p, ReasoningDelta):
             held.append(p.text)
@@ -182,24 +183,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
     rids = choice_rids(body.rid, len(choice_params))
 
-    def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
+    def streams(stream: bool) -> list[AsyncIterator[Piece]]:
         return [st.stream(ids, p, stream=stream, logprob=body.logprobs, top_n=top_n, rid=rid,
                           hints=body.hints())
                 for p, rid in zip(choice_params, rids, strict=True)]
 
     if not body.stream:
         results = await asyncio.gather(*[collect(s, request) for s in streams(False)])
-        merged = [merge_pieces(r) for r in results]
+        merged = [merge(r) for r in results]
         choices = []
         for i, r in enumerate(merged):
-            msg, has_calls = _message(spec, r["text"])
+            msg, has_calls = _message(spec, r.text)
             choices.append({
                 "index": i, "message": msg,
-                "logprobs": _chat_logprobs(st, r["output_ids"], r["logprobs"], r["top_logprobs"]) if body.logprobs else None,
-                "finish_reason": _finish_reason(r["meta_info"], has_calls),
+                "logprobs": _chat_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
+                "finish_reason": _finish_reason(r.meta, has_calls),
             })
-        usage = usage_dict(len(ids), sum(r["meta_info"]["completion_tokens"] for r in merged),
-                           merged[0]["meta_info"]["cached_tokens"], merged[0]["meta_info"].get("cache_report"))
+        usage = usage_dict(len(ids), sum(r.meta["completion_tokens"] for r in merged),
+                           merged[0].meta["cached_tokens"], merged[0].meta.get("cache_report"))
         return JSONBytesResponse({"id": cid, "object": "chat.completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
@@ -229,20 +230,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 started.add(i)
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
-            meta, finished = piece["meta_info"], piece["finished"]
+            meta, finished = piece.meta, piece.finished
             if spec.active:
-                pieces = parsers[i].feed(piece["text"]) + (parsers[i].finish() if finished else [])
+                pieces = parsers[i].feed(piece.text) + (parsers[i].finish() if finished else [])
                 if reasoning is not None:
                     pieces = _hold_reasoning(pieces, reasoning[i], finished)
                 has_calls[i] |= any(isinstance(p, ToolCallStart) for p in pieces)
                 deltas = openai_deltas(pieces)
             else:
-                deltas = [{"content": piece["text"]}] if piece["text"] else []
+                deltas = [{"content": piece.text}] if piece.text else []
             if body.logprobs:
                 h = held[i]
-                h[0].extend(piece["output_ids"])
-                h[1].extend(piece.get("logprobs") or [])
-                h[2].extend(piece.get("top_logprobs") or [])
+                h[0].extend(piece.output_ids)
+                h[1].extend(piece.logprobs)
+                h[2].extend(piece.top_logprobs)
             if finished and not deltas:
                 deltas = [{}]
             for k, delta in enumerate(deltas):

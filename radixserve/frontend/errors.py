@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve.frontend.tokenizer_manager import RequestError
+from radixserve.runtime.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def error_response(err: APIError) -> JSONResponse:
 
 def from_request_error(e: RequestError) -> APIError:
     headers = {"Retry-After": "1"} if e.status == 503 else None
-    return APIError(str(e), e.status, headers=headers)
+    return APIError(str(e), e.status, param=e.param, headers=headers)
 
 
 # Location parts pydantic adds for union branches ("str", "list[int]", "ContentPart"): they

@@ -18,14 +18,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from radixserve import __version__
-from radixserve.frontend.chat_render import ChatTemplateError, render_without_tools
+from radixserve.chat.render import ChatTemplateError, render_without_tools
 from radixserve.frontend.errors import APIError
-from radixserve.frontend.native_output import LogprobRequest, NativeOutput
 from radixserve.frontend.openai_common import SSE_DONE, guarded_stream
 from radixserve.frontend.protocol import AbortRequest, ApplyChatTemplateRequest, GenerateRequest
 from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect
-from radixserve.frontend.tokenizer_manager import InvalidRequestError, RequestError, SchedulingHints
+from radixserve.runtime.jobs import PromptSpec, prepare_jobs, split_batch
+from radixserve.runtime.native_output import LogprobRequest, NativeOutput
+from radixserve.runtime.pieces import Piece
+from radixserve.runtime.tokenizer_manager import InvalidRequestError, RequestError
+from radixserve.sampling import SamplingParams
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -43,45 +46,30 @@ def _event(result: dict[str, Any]) -> bytes:
 async def generate(body: GenerateRequest, request: Request) -> Any:
     st = _state(request)
     st.check_model(body.model)
-    batched = isinstance(body.text, list) or (bool(body.input_ids) and isinstance(body.input_ids[0], list))
-    texts = body.text if isinstance(body.text, list) else [body.text] if body.text is not None else None
-    ids_list = (body.input_ids if batched else [body.input_ids]) if body.input_ids is not None else None
-    n = len(texts) if texts is not None else len(ids_list)
-    if n == 0:
-        raise APIError("the batch is empty", 400, param="text")
-    sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * n
-    if len(sps) != n:
-        raise APIError(f"{len(sps)} sampling_params for {n} prompts", 400, param="sampling_params")
     lp = LogprobRequest(body.return_logprob, body.top_logprobs_num, body.logprob_start_len,
                         body.return_text_in_logprobs)
-    keys = body.extra_key if isinstance(body.extra_key, list) else [body.extra_key] * n
-    if len(keys) != n:
-        raise APIError(f"{len(keys)} extra_key values for {n} prompts", 400, param="extra_key")
+    prompt_param = "text" if body.text is not None else "input_ids"
     try:
-        hints = [SchedulingHints(k or "", body.priority or 0, cache_report=body.return_cache_report) for k in keys]
+        batched, specs = split_batch(body.text, body.input_ids, body.sampling_params, body.extra_key,
+                                     priority=body.priority or 0, cache_report=body.return_cache_report)
     except InvalidRequestError as e:
-        raise APIError(str(e), 400, param="extra_key") from None
-    prepared = []
-    for i in range(n):
-        try:
-            prepared.append(st.prepare(texts[i] if texts else None, ids_list[i] if ids_list else None, sps[i],
-                                       logprob_start_len=body.logprob_start_len,
-                                       prompt_param="text" if texts else "input_ids"))
-        except APIError as e:
-            if batched:
-                e.message = f"request {i}: {e.message}"
-            raise
+        raise APIError(str(e), 400, param=e.param) from None
 
-    def pieces(i: int, stream: bool, rid: str | None) -> AsyncIterator[dict[str, Any]]:
-        ids, params = prepared[i]
-        return st.stream(ids, params, stream=stream, logprob=lp.return_logprob, top_n=lp.top_logprobs_num,
-                         rid=rid, logprob_start_len=lp.scheduler_start(len(ids)), hints=hints[i])
+    def prepare(spec: PromptSpec) -> tuple[list[int], SamplingParams]:
+        return st.prepare(spec.text, spec.input_ids, spec.sampling, logprob_start_len=body.logprob_start_len,
+                          prompt_param=prompt_param)
+
+    jobs = prepare_jobs(specs, batched, prepare)
+
+    def pieces(i: int, stream: bool, rid: str | None) -> AsyncIterator[Piece]:
+        job = jobs[i]
+        return st.stream(job.ids, job.params, stream=stream, logprob=lp.return_logprob, top_n=lp.top_logprobs_num,
+                         rid=rid, logprob_start_len=lp.scheduler_start(len(job.ids)), hints=job.hints)
 
     if body.stream:
         if batched:
             raise APIError("stream=true takes a single prompt", 400, param="stream")
-        ids, _ = prepared[0]
-        out = NativeOutput(ids, lp, st.tokenizer)
+        out = NativeOutput(jobs[0].ids, lp, st.tokenizer)
         it = pieces(0, True, body.rid).__aiter__()
         out.add(await it.__anext__())  # errors answer with their status before streaming
 
@@ -97,11 +85,11 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
         return StreamingResponse(guarded_stream(_event(out.result()), rest()), media_type="text/event-stream")
     results = await asyncio.gather(*[
-        collect(pieces(i, False, None if batched else body.rid), request) for i in range(n)
+        collect(pieces(i, False, None if batched else body.rid), request) for i in range(len(jobs))
     ])
     outs = []
-    for (ids, _), result in zip(prepared, results, strict=True):
-        out = NativeOutput(ids, lp, st.tokenizer)
+    for job, result in zip(jobs, results, strict=True):
+        out = NativeOutput(job.ids, lp, st.tokenizer)
         for piece in result:
             out.add(piece)
         outs.append(out.result())

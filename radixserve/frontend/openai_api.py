@@ -24,7 +24,8 @@ from radixserve.frontend.openai_common import (
 )
 from radixserve.frontend.protocol import CompletionRequest
 from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState, collect, merge_pieces
+from radixserve.frontend.serving import ServerState, collect
+from radixserve.runtime.pieces import Piece, merge
 
 router = APIRouter()
 
@@ -94,32 +95,32 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     echo_text = [st.tokenizer.decode(ids) if body.echo else "" for ids, _ in jobs]
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
 
-    def streams(stream: bool) -> list[AsyncIterator[dict[str, Any]]]:
+    def streams(stream: bool) -> list[AsyncIterator[Piece]]:
         return [st.stream(ids, p, stream=stream, logprob=want_lp, top_n=top_n, rid=rid,
                           logprob_start_len=0 if echo_lp else -1, hints=body.hints())
                 for (ids, p), rid in zip(jobs, rids, strict=True)]
 
-    def prompt_logprobs(i: int, piece: dict[str, Any]) -> dict[str, Any] | None:
+    def prompt_logprobs(i: int, piece: Piece) -> dict[str, Any] | None:
         """Choice i's prompt part (echo + logprobs), from the piece that carries it."""
         if not echo_lp:
             return None
-        return _completion_logprobs(st, jobs[i][0], piece["input_logprobs"], piece["input_top_logprobs"], 0)
+        return _completion_logprobs(st, jobs[i][0], piece.input_logprobs, piece.input_top_logprobs, 0)
 
     prompt_tokens = sum(len(ids) for ids, _ in prepared)
     if not body.stream:
-        results = [merge_pieces(r) for r in await asyncio.gather(*[collect(s, request) for s in streams(False)])]
+        results = [merge(r) for r in await asyncio.gather(*[collect(s, request) for s in streams(False)])]
         choices = [{
             "index": i,
-            "text": echo_text[i] + r["text"],
+            "text": echo_text[i] + r.text,
             "logprobs": _join_logprobs(
                 prompt_logprobs(i, r),
-                _completion_logprobs(st, r["output_ids"], r["logprobs"], r["top_logprobs"], len(echo_text[i])),
+                _completion_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs, len(echo_text[i])),
             ) if want_lp else None,
-            "finish_reason": finish_type(r["meta_info"]),
+            "finish_reason": finish_type(r.meta),
         } for i, r in enumerate(results)]
-        cached = sum(results[k * body.n]["meta_info"]["cached_tokens"] for k in range(len(prepared)))
-        usage = usage_dict(prompt_tokens, sum(r["meta_info"]["completion_tokens"] for r in results), cached,
-                           results[0]["meta_info"].get("cache_report"))
+        cached = sum(results[k * body.n].meta["cached_tokens"] for k in range(len(prepared)))
+        usage = usage_dict(prompt_tokens, sum(r.meta["completion_tokens"] for r in results), cached,
+                           results[0].meta.get("cache_report"))
         return JSONBytesResponse({"id": cid, "object": "text_completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
@@ -140,7 +141,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         # split across tokens) sends its tokens' logprobs with the next chunk that has text.
         held: list[dict[str, Any]] = [{"prompt": None, "ids": [], "lps": [], "tops": []} for _ in jobs]
         async for i, piece in fan_in(streams(True)):
-            text = piece["text"]
+            text = piece.text
             start = text_pos[i]  # where this chunk's completion text begins
             if i not in sent_echo:
                 sent_echo.add(i)
@@ -148,10 +149,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 start += len(echo_text[i])
                 held[i]["prompt"] = prompt_logprobs(i, piece)
             h = held[i]
-            h["ids"] += piece["output_ids"]
-            h["lps"] += piece.get("logprobs") or []
-            h["tops"] += piece.get("top_logprobs") or []
-            finished = piece["finished"]
+            h["ids"] += piece.output_ids
+            h["lps"] += piece.logprobs
+            h["tops"] += piece.top_logprobs
+            finished = piece.finished
             if text or finished:
                 lp = None
                 if want_lp:
@@ -159,13 +160,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     held[i] = {"prompt": None, "ids": [], "lps": [], "tops": []}
                 text_pos[i] += len(text)
                 yield chunk([{"index": i, "text": text, "logprobs": lp,
-                              "finish_reason": finish_type(piece["meta_info"]) if finished else None}])
+                              "finish_reason": finish_type(piece.meta) if finished else None}])
             if finished:
-                completion += piece["meta_info"]["completion_tokens"]
+                completion += piece.meta["completion_tokens"]
                 if i % body.n == 0:
-                    cached += piece["meta_info"]["cached_tokens"]
+                    cached += piece.meta["cached_tokens"]
                 if i == 0:
-                    report = piece["meta_info"].get("cache_report")
+                    report = piece.meta.get("cache_report")
         if include_usage:
             yield chunk([], usage_dict(prompt_tokens, completion, cached, report))
         yield b"data: [DONE]\n\n"

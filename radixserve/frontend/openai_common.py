@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 
 from radixserve.frontend.errors import error_body
 from radixserve.frontend.serving import ServerState
-from radixserve.frontend.tokenizer_manager import RequestError
+from radixserve.runtime.pieces import Piece
+from radixserve.runtime.tokenizer_manager import RequestError
 from radixserve.sampling import SamplingParams
 from radixserve.sampling.sampler import to_int64
 
@@ -67,7 +68,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int,
     return usage
 
 
-async def fan_in(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, Any]]:
+async def fan_in(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
     """Interleave several requests' pieces as ``(index, piece)``; an error ends everything.
 
     The queue is bounded: when the consumer stops reading (a slow client), the pumps stop
@@ -75,7 +76,7 @@ async def fan_in(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[
     stays behind (``slow_reader_timeout``)."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
-    async def pump(i: int, s: AsyncIterator[dict[str, Any]]) -> None:
+    async def pump(i: int, s: AsyncIterator[Piece]) -> None:
         try:
             async for piece in s:
                 await queue.put((i, piece))
@@ -89,7 +90,7 @@ async def fan_in(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[
             i, item = await queue.get()
             if isinstance(item, Exception):
                 raise item
-            if item["finished"]:
+            if item.finished:
                 remaining -= 1
             yield i, item
     finally:

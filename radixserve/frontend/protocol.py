@@ -4,9 +4,9 @@ Every field of OpenAI's Chat Completions and (legacy) Completions request schema
 accepted, plus the extensions SGLang and vLLM clients send (``top_k``, ``min_p``,
 ``min_tokens``, ``regex``, ``ebnf``, ``json_schema``, ``chat_template_kwargs``, ...).  Which
 fields are implemented, ignored (``IGNORED_FIELDS``) or refused (``UNSUPPORTED``), and how
-nulls and errors are handled, is in ``protocol_base.py``; the rest of SGLang's request schemas
-(what its clients and router send) is the table in ``sglang_fields.py``; chat messages are in
-``chat_messages.py``, ``response_format`` in ``response_format.py``.  Validation errors become
+nulls and errors are handled, is in ``radixserve/schema/base.py``; the rest of SGLang's
+request schemas (what its clients and router send) is the table in ``sglang_fields.py``; chat
+messages are in ``radixserve/chat/messages.py``, ``response_format`` in ``response_format.py``.  Validation errors become
 HTTP 400 with an OpenAI-style body (see ``errors.py``).
 """
 
@@ -17,7 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StrictBool, StrictInt, WithJsonSchema, field_validator, model_validator
 
-from radixserve.frontend.chat_messages import (
+from radixserve.chat.messages import (
+    ApplyChatTemplateRequest,
     ChatMessage,
     ContentPart,
     FunctionDef,
@@ -25,16 +26,7 @@ from radixserve.frontend.chat_messages import (
     Prediction,
     ToolCall,
     ToolCallFunction,
-)
-from radixserve.frontend.protocol_base import (
-    IGNORED_FIELDS,
-    NAME_PATTERN,
-    UNSUPPORTED,
-    Body,
-    RequestBody,
-    check_json_schema,
-    reject,
-    unsupported,
+    check_continue_final,
 )
 from radixserve.frontend.response_format import (
     JSON_OBJECT_SCHEMA,
@@ -49,12 +41,22 @@ from radixserve.frontend.sglang_fields import (
     SAMPLING,
     take_sglang_fields,
 )
-from radixserve.frontend.tokenizer_manager import (
+from radixserve.runtime.tokenizer_manager import (
     MAX_EXTRA_KEY_CHARS,
     PRIORITY_LIMIT,
     SchedulingHints,
 )
 from radixserve.sampling.params import sampling_params_json_schema
+from radixserve.schema.base import (
+    IGNORED_FIELDS,
+    NAME_PATTERN,
+    UNSUPPORTED,
+    Body,
+    RequestBody,
+    check_json_schema,
+    reject,
+    unsupported,
+)
 
 __all__ = [
     "IGNORED_FIELDS",
@@ -249,18 +251,6 @@ class _SamplingFields(RequestBody):
         return {k: v for k, v in d.items() if v is not None}
 
 
-def _check_continue_final(body: ChatCompletionRequest | ApplyChatTemplateRequest) -> None:
-    """``continue_final_message`` continues the last (assistant) message; the default
-    ``add_generation_prompt`` yields to it, an explicit true conflicts."""
-    if body.continue_final_message:
-        if body.messages[-1].role != "assistant":
-            raise reject("continue_final_message", "continue_final_message needs the last "
-                                                   "message to be an assistant message")
-        if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
-            raise reject("continue_final_message", "continue_final_message and "
-                                                   "add_generation_prompt cannot both be true")
-
-
 class ChatCompletionRequest(_SamplingFields):
     SGLANG_ROUTE: ClassVar[str] = CHAT
 
@@ -337,7 +327,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise unsupported("modalities")
         if self.top_logprobs and not self.logprobs:
             raise reject("top_logprobs", "top_logprobs requires logprobs=true")
-        _check_continue_final(self)
+        check_continue_final(self)
         self._map_functions()
         return self
 
@@ -456,21 +446,6 @@ class GenerateRequest(RequestBody):
     def _check(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise reject("text", "give exactly one of text and input_ids")
-        return self
-
-
-class ApplyChatTemplateRequest(RequestBody):
-    """``/apply_chat_template``: chat messages to the prompt text the chat route would render
-    for them without tools."""
-
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> ApplyChatTemplateRequest:
-        _check_continue_final(self)
         return self
 
 

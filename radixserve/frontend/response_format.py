@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, StrictBool, field_validator, model_validator
 
-from radixserve.frontend.protocol_base import NAME_PATTERN, Body, reject
+from radixserve.schema.base import NAME_PATTERN, Body, reject
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}  # OpenAI's JSON mode: a JSON object

@@ -12,7 +12,6 @@ in flight, the API key, CORS) is ``limits.py``'s.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import logging
@@ -20,7 +19,7 @@ import os
 import resource
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -36,50 +35,34 @@ from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
 from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState
-from radixserve.frontend.tokenizer_manager import TokenizerManager
-from radixserve.launcher import ProcessGroup
+from radixserve.ipc.launcher import ProcessGroup
 from radixserve.logging_utils import configure_logging
+from radixserve.runtime.client import RuntimeClient
 from radixserve.threads import use_one_thread
 
 logger = logging.getLogger("radixserve.server")
-WATCHDOG_INTERVAL_S = 0.5
 GRACEFUL_SHUTDOWN_S = 5
 LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
-def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any], tokenizer: Any,
-               on_dead: Any = None) -> FastAPI:
+def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any],
+               on_dead: Callable[[str], Any] | None = None) -> FastAPI:
     model_name = args.served_model_name or os.path.basename(os.path.normpath(procs.model_path))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tm = TokenizerManager(tokenizer, info, procs.paths.scheduler, procs.paths.frontend,
-                              slow_reader_timeout=args.slow_reader_timeout)
-        await tm.start()
-        state = ServerState(args=args, tm=tm, info=info, model_name=model_name,
+        client = RuntimeClient(procs, info, slow_reader_timeout=args.slow_reader_timeout,
+                               down_note="the server stops", on_dead=on_dead)
+        await client.start()
+        state = ServerState(args=args, client=client, info=info, model_name=model_name,
                             pids={name: p.pid for name, p in procs.procs.items()},
                             model_path=procs.model_path)
         app.state.server = state
-
-        async def watchdog() -> None:
-            while True:
-                await asyncio.sleep(WATCHDOG_INTERVAL_S)
-                dead = procs.dead_process()
-                if dead:
-                    logger.error("%s; the server stops", dead)
-                    tm.fail_all(dead)
-                    if on_dead is not None:
-                        on_dead(dead)
-                    return
-
-        task = asyncio.create_task(watchdog())
         try:
             yield
         finally:
             state.shutting_down = True
-            task.cancel()
-            tm.fail_all("the server is shutting down")
-            await tm.close()
+            await client.close("the server is shutting down")
 
     app = FastAPI(title="radixserve", lifespan=lifespan, default_response_class=JSONBytesResponse)
     install_error_handlers(app)
@@ -159,7 +142,6 @@ def run_server(args: ServerArgs) -> int:
     try:
         info = procs.start()
         use_one_thread()  # the children are started: the scheduler owns the cores
-        tokenizer = procs.tokenizer
         server: uvicorn.Server | None = None
 
         def on_dead(reason: str) -> None:
@@ -168,7 +150,7 @@ def run_server(args: ServerArgs) -> int:
             if server is not None:
                 server.should_exit = True
 
-        app = create_app(procs.args, procs, info, tokenizer, on_dead)
+        app = create_app(procs.args, procs, info, on_dead)
         # h11 explicitly: the head-size limit below is h11's (httptools, when installed,
         # would be chosen by "auto" and has none).
         config = uvicorn.Config(

@@ -18,7 +18,9 @@ from fastapi import Request
 from radixserve.config import ServerArgs
 from radixserve.frontend.errors import APIError, ClientGone
 from radixserve.frontend.metrics import Metrics
-from radixserve.frontend.tokenizer_manager import SchedulingHints, TokenizerManager
+from radixserve.runtime.client import RuntimeClient
+from radixserve.runtime.pieces import Piece
+from radixserve.runtime.tokenizer_manager import SchedulingHints, TokenizerManager
 from radixserve.sampling import SamplingParams
 
 logger = logging.getLogger("radixserve.requests")
@@ -53,7 +55,7 @@ def _error_param(message: str, openai: bool, prompt_param: str | None) -> str | 
 @dataclass
 class ServerState:
     args: ServerArgs
-    tm: TokenizerManager
+    client: RuntimeClient
     info: dict[str, Any]
     model_name: str
     metrics: Metrics = field(default_factory=Metrics)
@@ -67,8 +69,12 @@ class ServerState:
     inflight_tokens: int = 0
 
     @property
+    def tm(self) -> TokenizerManager:
+        return self.client.tm
+
+    @property
     def tokenizer(self) -> Any:
-        return self.tm.tokenizer
+        return self.client.tokenizer
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, *UNNAMED_MODELS):
@@ -125,7 +131,7 @@ class ServerState:
     async def stream(self, ids: list[int], params: SamplingParams, *, stream: bool,
                      logprob: bool = False, top_n: int = 0, rid: str | None = None,
                      logprob_start_len: int = -1,
-                     hints: SchedulingHints | None = None) -> AsyncIterator[dict[str, Any]]:
+                     hints: SchedulingHints | None = None) -> AsyncIterator[Piece]:
         """The request's pieces, with metrics and the per-request log line."""
         rid = rid or uuid.uuid4().hex
         t0 = time.perf_counter()
@@ -138,13 +144,13 @@ class ServerState:
             async for piece in self.tm.generate(ids, params, stream, logprob, top_n, rid=rid,
                                                 logprob_start_len=logprob_start_len, hints=hints):
                 now = time.perf_counter()
-                n = len(piece["output_ids"])
+                n = len(piece.output_ids)
                 tokens += n
                 self.inflight_tokens += n
                 if n and ttft is None:
                     # The first token's own time, also when it arrives with others (non-streaming
                     # requests, stream_interval > 1): the tokens after it are spread over the rest.
-                    ttft = piece["meta_info"].get("ttft", now - t0)
+                    ttft = piece.meta.get("ttft", now - t0)
                     self.metrics.on_first_token(ttft)
                     if n > 1:
                         self.metrics.on_tokens(now - t0 - ttft, n - 1)
@@ -152,8 +158,8 @@ class ServerState:
                     self.metrics.on_tokens(now - last, n)
                 if n:
                     last = now
-                if piece["finished"]:
-                    meta = piece["meta_info"]
+                if piece.finished:
+                    meta = piece.meta
                     total = now - t0
                     self.metrics.on_finish(meta, total)
                     logger.info(
@@ -167,10 +173,10 @@ class ServerState:
             self.inflight_requests -= 1
             self.inflight_tokens -= tokens
 
-async def collect(pieces: AsyncIterator[dict[str, Any]], request: Request) -> list[dict[str, Any]]:
+async def collect(pieces: AsyncIterator[Piece], request: Request) -> list[Piece]:
     """All pieces of a non-streaming request; aborts it if the client disconnects first."""
 
-    async def gather() -> list[dict[str, Any]]:
+    async def gather() -> list[Piece]:
         return [p async for p in pieces]
 
     task = asyncio.ensure_future(gather())
@@ -185,25 +191,3 @@ async def collect(pieces: AsyncIterator[dict[str, Any]], request: Request) -> li
     finally:
         if not task.done():
             task.cancel()
-
-
-async def first_and_rest(pieces: AsyncIterator[dict[str, Any]]) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
-    """Wait for the first piece (so errors become an HTTP status before streaming starts)."""
-    it = pieces.__aiter__()
-    first = await it.__anext__()
-    return first, it
-
-
-def merge_pieces(pieces: list[dict[str, Any]]) -> dict[str, Any]:
-    out = {
-        "text": "".join(p["text"] for p in pieces),
-        "output_ids": [t for p in pieces for t in p["output_ids"]],
-        "meta_info": dict(pieces[-1]["meta_info"]),
-        "logprobs": [lp for p in pieces for lp in (p.get("logprobs") or [])],
-        "top_logprobs": [t for p in pieces for t in (p.get("top_logprobs") or [])],
-    }
-    first = next((p for p in pieces if "input_logprobs" in p), None)  # sent once
-    if first is not None:
-        out["input_logprobs"] = first["input_logprobs"]
-        out["input_top_logprobs"] = first["input_top_logprobs"]
-    return out

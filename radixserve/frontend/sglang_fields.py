@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.frontend.protocol_base import refuse_meaning, reject
+from radixserve.schema.base import refuse_meaning, reject
 
 # Route letters: "c" /v1/chat/completions, "p" /v1/completions, "g" /generate,
 # "s" a /generate sampling_params object.

@@ -10,12 +10,12 @@ from radixserve.batch import ForwardBatch
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.distributed.step_message import StepBatch, pack_rows
-from radixserve.distributed.worker import WorkerLink
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
 from radixserve.scheduler import prompt_logprobs
 from radixserve.scheduler.cuda_graph import DecodeGraphs
 from radixserve.scheduler.profiling import FORWARD_SCOPE, SAMPLING_SCOPE
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.tp_worker import WorkerLink
 from radixserve.transfer import resolve
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import zmq
 
-from radixserve import messages as m
 from radixserve.cache.tree_view import summary_rows
 from radixserve.config import ServerArgs
 from radixserve.distributed import TensorParallelError
+from radixserve.ipc import messages as m
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0
@@ -169,10 +169,10 @@ def run_scheduler_process(
         import torch
 
         from radixserve.distributed.group import SINGLE, init_group, rank_device
-        from radixserve.distributed.worker import WorkerLink, rank_threads, share_setup
         from radixserve.model.gguf_index import gguf_source
         from radixserve.model.loader import load_model
         from radixserve.scheduler.scheduler import Scheduler
+        from radixserve.scheduler.tp_worker import WorkerLink, rank_threads, share_setup
         from radixserve.tokenizer import DeferredTokenizer, load_decoder
 
         threads, threads_source = rank_threads(args.tp_size)

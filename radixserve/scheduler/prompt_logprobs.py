@@ -20,59 +20,17 @@ They are sent once, with the request's first output row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from radixserve.sampling.logprobs import token_logprobs
-from radixserve.validation import check_logprob_start_len
 
 if TYPE_CHECKING:
-    from radixserve.messages import TokenOut
+    from radixserve.ipc.messages import TokenOut
     from radixserve.scheduler.request import Req
-
-
-@dataclass
-class PromptLogprobs:
-    """One request's prompt logprobs, accumulated across prefill chunks.
-
-    ``logprobs[i]`` / ``top[i]`` belong to prompt position ``start + i``; position 0 has no
-    logprob (None).  ``next_pos``: the next position whose logits are owed; logits at ``q``
-    give the logprob of prompt token ``q + 1``, so the request is done at ``prompt_len - 1``.
-    """
-
-    start: int
-    prompt_len: int
-    top_n: int
-    next_pos: int
-    logprobs: list[float | None] = field(default_factory=list)
-    top: list[list[list[float]] | None] = field(default_factory=list)
-    sent: bool = False
-
-    @classmethod
-    def for_request(
-        cls, return_logprob: bool, logprob_start_len: int, prompt_len: int, top_n: int
-    ) -> PromptLogprobs | None:
-        """State for a request, or None when it wants no prompt logprobs.
-
-        ``logprob_start_len`` -1 means none; ``prompt_len`` an empty list (nothing owed); a
-        value outside ``[-1, prompt_len]`` raises ValueError.  Without ``return_logprob`` no logprob is returned at all (SGLang's rule).
-        """
-        check_logprob_start_len(logprob_start_len, prompt_len)
-        if not return_logprob or logprob_start_len < 0:
-            return None
-        state = cls(logprob_start_len, prompt_len, top_n, next_pos=max(logprob_start_len - 1, 0))
-        if logprob_start_len == 0:  # the first prompt token has nothing to be predicted from
-            state.logprobs.append(None)
-            state.top.append(None)
-        return state
-
-    @property
-    def pending(self) -> bool:
-        """Logits still owed (the prompt's last position is the sampling row, not ours)."""
-        return self.next_pos < self.prompt_len - 1
 
 
 @dataclass

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from radixserve.validation import check_logprob_start_len
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -17,8 +19,6 @@ if TYPE_CHECKING:
     from radixserve.cache.tree_view import Divergence
     from radixserve.grammar import RequestGrammar
     from radixserve.sampling import SamplingParams
-    from radixserve.scheduler.prompt_logprobs import PromptLogprobs
-    from radixserve.scheduler.speculative import SpecState
 
 
 class ReqState(enum.Enum):
@@ -177,3 +177,66 @@ class Req:
             f"out={self.output_len}, computed={self.computed_len}, cached={self.cached_len}, "
             f"allocated={self.allocated_len})"
         )
+
+
+@dataclass
+class PromptLogprobs:
+    """One request's prompt logprobs, accumulated across prefill chunks.
+
+    ``logprobs[i]`` / ``top[i]`` belong to prompt position ``start + i``; position 0 has no
+    logprob (None).  ``next_pos``: the next position whose logits are owed; logits at ``q``
+    give the logprob of prompt token ``q + 1``, so the request is done at ``prompt_len - 1``.
+    """
+
+    start: int
+    prompt_len: int
+    top_n: int
+    next_pos: int
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[list[list[float]] | None] = field(default_factory=list)
+    sent: bool = False
+
+    @classmethod
+    def for_request(
+        cls, return_logprob: bool, logprob_start_len: int, prompt_len: int, top_n: int
+    ) -> PromptLogprobs | None:
+        """State for a request, or None when it wants no prompt logprobs.
+
+        ``logprob_start_len`` -1 means none; ``prompt_len`` an empty list (nothing owed); a
+        value outside ``[-1, prompt_len]`` raises ValueError.  Without ``return_logprob`` no logprob is returned at all (SGLang's rule).
+        """
+        check_logprob_start_len(logprob_start_len, prompt_len)
+        if not return_logprob or logprob_start_len < 0:
+            return None
+        state = cls(logprob_start_len, prompt_len, top_n, next_pos=max(logprob_start_len - 1, 0))
+        if logprob_start_len == 0:  # the first prompt token has nothing to be predicted from
+            state.logprobs.append(None)
+            state.top.append(None)
+        return state
+
+    @property
+    def pending(self) -> bool:
+        """Logits still owed (the prompt's last position is the sampling row, not ours)."""
+        return self.next_pos < self.prompt_len - 1
+
+
+@dataclass
+class SpecState:
+    """A request's speculative decoding: the drafts of the current step and its counters."""
+
+    draft: list[int] = field(default_factory=list)  # staged after fill_ids, verified this step
+    verify_ct: int = 0  # decode steps that verified (with or without drafts)
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+
+    def meta(self, completion_tokens: int) -> dict[str, float | int]:
+        """SGLang's ``meta_info`` fields (``spec_accept_length``: tokens per verify step)."""
+        if not self.verify_ct:
+            return {}
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accept_length": completion_tokens / self.verify_ct,
+            "spec_accept_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "spec_num_proposed_drafts": self.proposed,
+            "spec_num_correct_drafts": self.accepted,
+        }

@@ -17,7 +17,7 @@ from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.cache.tiers import TierManager
 from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
-from radixserve.messages import ErrorOut, GenerateReq, TokenOut
+from radixserve.ipc.messages import ErrorOut, GenerateReq, TokenOut
 from radixserve.sampling import SampleOutput, SamplingParams
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
 from radixserve.scheduler.constraints import Constraints
@@ -27,8 +27,8 @@ from radixserve.scheduler.model_runner import ModelRunner
 from radixserve.scheduler.pins import Pins
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.profiling import StepProfiler
-from radixserve.scheduler.prompt_logprobs import PromptLogprobs, attach_prompt_logprobs
-from radixserve.scheduler.request import FinishReason, Req, ReqState
+from radixserve.scheduler.prompt_logprobs import attach_prompt_logprobs
+from radixserve.scheduler.request import FinishReason, PromptLogprobs, Req, ReqState
 from radixserve.scheduler.speculative import NgramSpeculator, num_drafts
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker

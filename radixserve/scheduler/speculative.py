@@ -35,12 +35,11 @@ tokens, ``a`` the accepted drafts, ``k`` the drafts):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixserve.scheduler.request import ReqState
+from radixserve.scheduler.request import ReqState, SpecState
 
 if TYPE_CHECKING:
     from radixserve.cache.radix_tree import TreeNode
@@ -48,28 +47,6 @@ if TYPE_CHECKING:
     from radixserve.scheduler.request import Req
 
 _ITEM = 8  # bytes per token id in a tree key
-
-
-@dataclass
-class SpecState:
-    """A request's speculative decoding: the drafts of the current step and its counters."""
-
-    draft: list[int] = field(default_factory=list)  # staged after fill_ids, verified this step
-    verify_ct: int = 0  # decode steps that verified (with or without drafts)
-    proposed: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
-
-    def meta(self, completion_tokens: int) -> dict[str, float | int]:
-        """SGLang's ``meta_info`` fields (``spec_accept_length``: tokens per verify step)."""
-        if not self.verify_ct:
-            return {}
-        return {
-            "spec_verify_ct": self.verify_ct,
-            "spec_accept_length": completion_tokens / self.verify_ct,
-            "spec_accept_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "spec_num_proposed_drafts": self.proposed,
-            "spec_num_correct_drafts": self.accepted,
-        }
 
 
 def num_drafts(req: Req) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 import torch
 
-from radixserve.messages import ErrorOut, GenerateReq
+from radixserve.ipc.messages import ErrorOut, GenerateReq
 
 _rid = itertools.count()
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from radixserve.config import ServerArgs
-from radixserve.messages import GenerateReq
+from radixserve.ipc.messages import GenerateReq
 from radixserve.model.loader import load_model
 from radixserve.scheduler.scheduler import Scheduler
 

@@ -154,9 +154,6 @@ class DiskStore:
             logger.warning("disk KV cache: writes still queued at shutdown were dropped")
         self._io.shutdown(wait=False, cancel_futures=True)
 
-    def bytes_used(self) -> int:
-        return len(self._index) * (self.payload_bytes + _HEADER.size)
-
     def _trim(self) -> None:
         while len(self._index) > self.capacity_blocks:
             name, _ = self._index.popitem(last=False)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from radixserve.frontend.parsers.base import (
+from radixserve.chat.parsers.base import (
     ContentDelta,
+    Delta,
     ParsedMessage,
-    Piece,
     ToolArgsDelta,
     ToolCallParsed,
     ToolCallStart,
@@ -34,13 +34,13 @@ from radixserve.frontend.parsers.base import (
     marker_overlap,
     new_call_id,
 )
-from radixserve.frontend.parsers.json_scan import (
+from radixserve.chat.parsers.json_scan import (
     JsonDepth,
     Match,
     calls_from_json_text,
     match_call_head,
 )
-from radixserve.frontend.parsers.tool_formats import ToolFormat
+from radixserve.chat.parsers.tool_formats import ToolFormat
 
 
 class ToolCallStream:
@@ -56,20 +56,20 @@ class ToolCallStream:
         self._depth = JsonDepth(0)
         self._count = 0  # calls recognised (those past max_calls are muted)
         self._muted = False
-        self._out: list[Piece] = []
+        self._out: list[Delta] = []
         self._content_started = False
         self._pending_ws = ""  # leading whitespace of the content, dropped if nothing follows
         self._done = False
 
     # ---- public ------------------------------------------------------------------------
-    def feed(self, text: str) -> list[Piece]:
+    def feed(self, text: str) -> list[Delta]:
         if self._done:
             raise ValueError("feed() after finish()")
         self._buf += text
         self._run(final=False)
         return self._take()
 
-    def finish(self) -> list[Piece]:
+    def finish(self) -> list[Delta]:
         """The end of the output: flush what was held back."""
         if not self._done:
             self._run(final=True)
@@ -78,11 +78,11 @@ class ToolCallStream:
         return self._take()
 
     # ---- emission ----------------------------------------------------------------------
-    def _take(self) -> list[Piece]:
+    def _take(self) -> list[Delta]:
         out, self._out = self._out, []
         return out
 
-    def _emit(self, piece: Piece) -> None:
+    def _emit(self, piece: Delta) -> None:
         last = self._out[-1] if self._out else None
         if isinstance(piece, ContentDelta) and isinstance(last, ContentDelta):
             self._out[-1] = ContentDelta(last.text + piece.text)

@@ -67,7 +67,7 @@ class ToolArgsDelta:
         return {"index": self.index, "function": {"arguments": self.text}}
 
 
-Piece = ContentDelta | ReasoningDelta | ToolCallStart | ToolArgsDelta
+Delta = ContentDelta | ReasoningDelta | ToolCallStart | ToolArgsDelta
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class ParsedMessage:
         return [call for _, call in self.tool_calls]
 
 
-def assemble(pieces: list[Piece]) -> ParsedMessage:
+def assemble(pieces: list[Delta]) -> ParsedMessage:
     """Join pieces into one message (the non-streaming view of the same output)."""
     content: list[str] = []
     reasoning: list[str] = []

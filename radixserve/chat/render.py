@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from radixserve.frontend.chat_messages import ChatMessage
-from radixserve.frontend.parsers import detect_tool_parser, native_messages, prompted_messages
+from radixserve.chat.messages import ChatMessage
+from radixserve.chat.parsers import detect_tool_parser, native_messages, prompted_messages
 
 _ROLES = {"developer": "system", "function": "tool"}
 

@@ -27,8 +27,8 @@ import functools
 import json
 from typing import Any
 
-from radixserve.frontend.parsers.tool_formats import ToolFormat
-from radixserve.frontend.parsers.tool_request import ToolPlan
+from radixserve.chat.parsers.tool_formats import ToolFormat
+from radixserve.chat.parsers.tool_request import ToolPlan
 
 # Caps each run of whitespace inside the arguments JSON, so a model cannot loop on spaces.
 MAX_WHITESPACE = 1

@@ -18,7 +18,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixserve import messages as m
+from radixserve.ipc import messages as m
+from radixserve.runtime.pieces import Piece
 from radixserve.sampling import SamplingParams, draw_seed
 from radixserve.validation import check_input_ids, check_logprob_start_len, is_text
 
@@ -26,20 +27,25 @@ logger = logging.getLogger(__name__)
 
 
 class RequestError(RuntimeError):
-    """The server answered a request with an error (``status`` is an HTTP-like code)."""
+    """The server answered a request with an error (``status`` is an HTTP-like code;
+    ``param`` the request field at fault, when one is)."""
 
-    def __init__(self, message: str, status: int = 500) -> None:
+    def __init__(self, message: str, status: int = 500, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 class InvalidRequestError(RequestError, ValueError):
-    """The scheduler refused the request as invalid (status 400), e.g. a grammar that does
-    not compile: a ``ValueError`` for Python callers, a 400 for HTTP ones."""
+    """The request is invalid (status 400): a bad field, or a grammar the scheduler cannot
+    compile; a ``ValueError`` for Python callers, a 400 for HTTP ones."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message, status, param)
 
 
 def request_error(message: str, status: int) -> RequestError:
-    return InvalidRequestError(message, status) if status == 400 else RequestError(message, status)
+    return InvalidRequestError(message) if status == 400 else RequestError(message, status)
 
 
 MAX_EXTRA_KEY_CHARS = 1024
@@ -67,12 +73,12 @@ class SchedulingHints:
     def __post_init__(self) -> None:
         if not isinstance(self.extra_key, str) or len(self.extra_key) > MAX_EXTRA_KEY_CHARS:
             raise InvalidRequestError(f"cache_salt / extra_key must be a string of at most "
-                                      f"{MAX_EXTRA_KEY_CHARS} characters", 400)
+                                      f"{MAX_EXTRA_KEY_CHARS} characters", param="extra_key")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int) or abs(self.priority) >= PRIORITY_LIMIT:
             raise InvalidRequestError(f"priority must be an integer with |priority| < 2**31, got {self.priority!r}",
-                                      400)
+                                      param="priority")
         if self.pin_ttl is not None and not (isinstance(self.pin_ttl, (int, float)) and 0 < self.pin_ttl < 1e9):
-            raise InvalidRequestError(f"ttl must be a positive number of seconds, got {self.pin_ttl!r}", 400)
+            raise InvalidRequestError(f"ttl must be a positive number of seconds, got {self.pin_ttl!r}", param="ttl")
 
 
 def decode_divergence(tokenizer: Any, report: dict[str, Any]) -> dict[str, Any]:
@@ -175,8 +181,8 @@ class TokenizerManager:
         rid: str | None = None,
         logprob_start_len: int = -1,
         hints: SchedulingHints | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Yield ``{"text", "output_ids", "meta_info", "finished"}`` pieces (deltas).
+    ) -> AsyncIterator[Piece]:
+        """Yield the request's :class:`Piece` s (deltas), the last one ``finished``.
 
         With ``return_logprob``, pieces carry ``logprobs`` / ``top_logprobs`` of their output
         tokens, and with ``logprob_start_len >= 0`` the first one also ``input_logprobs`` /
@@ -191,7 +197,7 @@ class TokenizerManager:
         key = uuid.uuid4().hex
         rid = key if rid is None else rid
         if rid in self.by_rid:
-            raise InvalidRequestError(f"a request with rid {rid!r} is already running", 400)
+            raise InvalidRequestError(f"a request with rid {rid!r} is already running", param="rid")
         state = _ReqState(rid)
         self.states[key] = state
         self.by_rid[rid] = key
@@ -220,7 +226,7 @@ class TokenizerManager:
                     # (detokenizer, slow reader, a dead process): the abort below makes sure
                     # the scheduler stops it; it ignores ids it does not hold.
                     raise item
-                finished = item["finished"]
+                finished = item.finished
                 yield item
         finally:
             self.states.pop(key, None)
@@ -242,10 +248,10 @@ class TokenizerManager:
         params = SamplingParams.from_dict({"max_new_tokens": 0})
         meta: dict[str, Any] = {}
         async for piece in self.generate(ids, params, hints=dataclasses.replace(hints, pin=True)):
-            meta = piece["meta_info"]
+            meta = piece.meta
         result = meta.get("pin") or {"error": "the scheduler did not pin the prompt"}
         if "error" in result:
-            raise InvalidRequestError(result["error"], 400)
+            raise InvalidRequestError(result["error"])
         return result
 
     async def control(self, command: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
@@ -308,18 +314,13 @@ class TokenizerManager:
                 meta["ttft"] = state.first_token_at - state.created
             if finished is not None:
                 meta["e2e_latency"] = now - state.created
-            item: dict[str, Any] = {
-                "text": msg.text_deltas[i],
-                "output_ids": msg.new_ids[i],
-                "meta_info": meta,
-                "finished": finished is not None,
-            }
+            item = Piece(msg.text_deltas[i], msg.new_ids[i], meta, finished is not None)
             if msg.logprobs and msg.logprobs[i] is not None:
-                item["logprobs"] = msg.logprobs[i]
-                item["top_logprobs"] = msg.top_logprobs[i] if msg.top_logprobs else None
+                item.logprobs = msg.logprobs[i]
+                item.top_logprobs = (msg.top_logprobs[i] if msg.top_logprobs else None) or []
             if msg.input_logprobs and msg.input_logprobs[i] is not None:
-                item["input_logprobs"] = msg.input_logprobs[i]
-                item["input_top_logprobs"] = msg.input_top_logprobs[i]
+                item.input_logprobs = msg.input_logprobs[i]
+                item.input_top_logprobs = msg.input_top_logprobs[i]
             state.queue.put_nowait(item)
             self._check_backlog(key, state, now)
 

@@ -12,10 +12,10 @@ Public entry points used by the chat route:
 
 from __future__ import annotations
 
-from radixserve.frontend.parsers.base import (
+from radixserve.chat.parsers.base import (
     ContentDelta,
+    Delta,
     ParsedMessage,
-    Piece,
     ReasoningDelta,
     ToolArgsDelta,
     ToolCallParsed,
@@ -23,7 +23,7 @@ from radixserve.frontend.parsers.base import (
     assemble,
     new_call_id,
 )
-from radixserve.frontend.parsers.chat_template import (
+from radixserve.chat.parsers.chat_template import (
     detect_tool_parser,
     native_messages,
     prompted_messages,
@@ -31,26 +31,26 @@ from radixserve.frontend.parsers.chat_template import (
     template_renders_tools,
     tool_call_text,
 )
-from radixserve.frontend.parsers.output import OutputParser, ParseSpec, openai_deltas
-from radixserve.frontend.parsers.reasoning import (
+from radixserve.chat.parsers.output import OutputParser, ParseSpec, openai_deltas
+from radixserve.chat.parsers.reasoning import (
     ReasoningStream,
     prompt_opens_reasoning,
     split_reasoning,
 )
-from radixserve.frontend.parsers.tool_formats import (
+from radixserve.chat.parsers.tool_formats import (
     HERMES,
     LLAMA3,
     MISTRAL,
     ToolFormat,
     tool_format,
 )
-from radixserve.frontend.parsers.tool_grammar import tool_call_grammar
-from radixserve.frontend.parsers.tool_request import ToolPlan, ToolRequestError, plan_tools
-from radixserve.frontend.parsers.tool_stream import ToolCallStream, parse_tool_calls
+from radixserve.chat.parsers.tool_grammar import tool_call_grammar
+from radixserve.chat.parsers.tool_request import ToolPlan, ToolRequestError, plan_tools
+from radixserve.chat.parsers.tool_stream import ToolCallStream, parse_tool_calls
 
 __all__ = [
     "HERMES", "LLAMA3", "MISTRAL", "ContentDelta", "OutputParser", "ParseSpec", "ParsedMessage",
-    "Piece", "ReasoningDelta", "ReasoningStream", "ToolArgsDelta", "ToolCallParsed",
+    "Delta", "ReasoningDelta", "ReasoningStream", "ToolArgsDelta", "ToolCallParsed",
     "ToolCallStart", "ToolCallStream", "ToolFormat", "ToolPlan", "ToolRequestError", "assemble",
     "detect_tool_parser", "native_messages", "new_call_id", "openai_deltas", "parse_tool_calls",
     "plan_tools", "prompt_opens_reasoning", "prompted_messages", "prompted_tools_text",

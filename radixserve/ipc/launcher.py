@@ -109,7 +109,7 @@ class ProcessGroup:
         )
         rank_pipes = {}
         if self.args.tp_size > 1:  # the module imports torch: the front end waits for it only then
-            from radixserve.distributed.worker import run_tp_worker_process
+            from radixserve.scheduler.tp_worker import run_tp_worker_process
         for rank in range(1, self.args.tp_size):
             name = f"tensor-parallel rank {rank}"
             rank_pipes[name], rank_w = ctx.Pipe(duplex=False)

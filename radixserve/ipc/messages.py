@@ -18,10 +18,9 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-import numpy as np
 import orjson
 
-from radixserve.json_types import compile_test, explain
+from radixserve.ipc.json_types import compile_test, explain
 
 _REGISTRY: dict[str, type] = {}
 
@@ -176,14 +175,6 @@ class ControlOut:
     result: dict[str, Any]
 
 
-@message("ready")
-class ReadyOut:
-    """Sent once by each process when it is ready; ``info`` describes the loaded model."""
-
-    process: str
-    info: dict[str, Any]
-
-
 # ---------------------------------------------------------------- detokenizer -> front end
 
 
@@ -202,9 +193,3 @@ class StrOut:
     input_logprobs: list[list[Logprob] | None] = field(default_factory=list)
     input_top_logprobs: list[list[TopLogprobs | None] | None] = field(default_factory=list)
 
-
-def as_int_list(ids: Any) -> list[int]:
-    """Token ids from a list, tuple or numpy array, as plain ints."""
-    if isinstance(ids, np.ndarray):
-        return ids.astype(np.int64).tolist()
-    return [int(t) for t in ids]

@@ -1,8 +1,8 @@
 """SGLang's native result shape, built in one place for ``/generate`` and ``Engine.generate``.
 
-The tokenizer manager yields pieces in radixserve's internal shape (``logprobs``: floats,
-``top_logprobs``: ``[token_id, logprob]`` pairs, ``input_logprobs`` from the scheduler's
-start).  A native result is ``{"text", "output_ids", "meta_info"}``; with ``return_logprob``
+The tokenizer manager yields pieces (``pieces.py``) in radixserve's internal shape
+(``logprobs``: floats, ``top_logprobs``: ``[token_id, logprob]`` pairs, ``input_logprobs`` from
+the scheduler's start).  A native result is ``{"text", "output_ids", "meta_info"}``; with ``return_logprob``
 its ``meta_info`` always holds, as SGLang's does:
 
 - ``output_token_logprobs``: one ``[logprob, token_id, text]`` per output token (``[]`` for
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from radixserve.runtime.pieces import Piece
 
 Triple = list[Any]  # [logprob | None, token_id, text | None]
 
@@ -66,17 +68,17 @@ class NativeOutput:
             "input_token_logprobs": [], "input_top_logprobs": [],
         }
 
-    def add(self, piece: dict[str, Any]) -> dict[str, Any]:
-        self._text.append(piece["text"])
-        self._ids.extend(piece["output_ids"])
-        self._meta = piece["meta_info"]
-        meta = dict(piece["meta_info"])
+    def add(self, piece: Piece) -> dict[str, Any]:
+        self._text.append(piece.text)
+        self._ids.extend(piece.output_ids)
+        self._meta = piece.meta
+        meta = dict(piece.meta)
         if self.lp.return_logprob:
             lists = self._format_logprobs(piece)
             for key, values in lists.items():
                 self._lists[key].extend(values)
             meta.update(lists)
-        return {"text": piece["text"], "output_ids": list(piece["output_ids"]), "meta_info": meta}
+        return {"text": piece.text, "output_ids": list(piece.output_ids), "meta_info": meta}
 
     def result(self) -> dict[str, Any]:
         meta = dict(self._meta)
@@ -85,12 +87,12 @@ class NativeOutput:
         return {"text": "".join(self._text), "output_ids": list(self._ids), "meta_info": meta}
 
     # ---- formatting ----------------------------------------------------------------------
-    def _format_logprobs(self, piece: dict[str, Any]) -> dict[str, list[Any]]:
-        out_ids = piece["output_ids"]
-        values = piece.get("logprobs") or []
-        tops = piece.get("top_logprobs") or []
-        in_values = piece.get("input_logprobs") or []
-        in_tops = piece.get("input_top_logprobs") or []
+    def _format_logprobs(self, piece: Piece) -> dict[str, list[Any]]:
+        out_ids = piece.output_ids
+        values = piece.logprobs
+        tops = piece.top_logprobs
+        in_values = piece.input_logprobs or []
+        in_tops = piece.input_top_logprobs or []
         in_ids = self.prompt_ids[self.start : self.start + len(in_values)]
         texts = self._texts(out_ids, tops, in_ids, in_tops)
         want_top = self.lp.top_logprobs_num > 0

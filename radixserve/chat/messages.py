@@ -1,12 +1,13 @@
-"""Chat messages: content parts, tool calls, and the deprecated ``functions`` entries."""
+"""Chat messages: content parts, tool calls, and the deprecated ``functions`` entries; and the
+body of ``/apply_chat_template`` (``Engine.apply_chat_template`` validates with it too)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
-from radixserve.frontend.protocol_base import NAME_PATTERN, Body, reject, unsupported
+from radixserve.schema.base import NAME_PATTERN, Body, RequestBody, reject, unsupported
 
 _MEDIA_PARTS = ("image_url", "input_audio", "file", "video_url", "audio_url")
 
@@ -109,3 +110,30 @@ class FunctionName(Body):
 class Prediction(Body):
     type: Literal["content"]
     content: str | list[ContentPart]
+
+
+def check_continue_final(body: Any) -> None:
+    """``continue_final_message`` continues the last (assistant) message; the default
+    ``add_generation_prompt`` yields to it, an explicit true conflicts."""
+    if body.continue_final_message:
+        if body.messages[-1].role != "assistant":
+            raise reject("continue_final_message", "continue_final_message needs the last "
+                                                   "message to be an assistant message")
+        if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
+            raise reject("continue_final_message", "continue_final_message and "
+                                                   "add_generation_prompt cannot both be true")
+
+
+class ApplyChatTemplateRequest(RequestBody):
+    """``/apply_chat_template``: chat messages to the prompt text the chat route would render
+    for them without tools."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ApplyChatTemplateRequest:
+        check_continue_final(self)
+        return self

@@ -160,7 +160,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from radixserve.chat import chat_local, chat_remote
+    from radixserve.cli.chat import chat_local, chat_remote
 
     _sampling(ns)
     if ns.base_url:
@@ -224,7 +224,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_cache(ns: argparse.Namespace) -> int:
-    from radixserve.cache_report import print_cache_report
+    from radixserve.cli.cache_report import print_cache_report
 
     return print_cache_report(ns.url, ns.sort, ns.limit, ns.api_key)
 
@@ -242,7 +242,7 @@ def cmd_build_kernels(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmarks parse their own flags
-        from radixserve.bench_cli import main as bench_main
+        from radixserve.cli.bench import main as bench_main
 
         return bench_main(argv[1:])
     ns = _build_parser().parse_args(argv)
@@ -270,7 +270,3 @@ def entry() -> None:
         with contextlib.suppress(OSError, ValueError):  # a closed pipe (`| head`) loses nothing more
             stream.flush()
     os._exit(rc)
-
-
-if __name__ == "__main__":
-    entry()

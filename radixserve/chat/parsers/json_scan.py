@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from enum import Enum
 
-from radixserve.frontend.parsers.base import ToolCallParsed
+from radixserve.chat.parsers.base import ToolCallParsed
 
 _WS = " \t\r\n"
 

@@ -6,19 +6,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.frontend.parsers.base import (
+from radixserve.chat.parsers.base import (
     ContentDelta,
+    Delta,
     ParsedMessage,
-    Piece,
     ReasoningDelta,
     ToolArgsDelta,
     ToolCallStart,
     assemble,
     new_call_id,
 )
-from radixserve.frontend.parsers.reasoning import ReasoningStream
-from radixserve.frontend.parsers.tool_formats import ToolFormat
-from radixserve.frontend.parsers.tool_stream import ToolCallStream
+from radixserve.chat.parsers.reasoning import ReasoningStream
+from radixserve.chat.parsers.tool_formats import ToolFormat
+from radixserve.chat.parsers.tool_stream import ToolCallStream
 
 
 @dataclass(frozen=True)
@@ -49,20 +49,20 @@ class OutputParser:
         self.reasoning = reasoning
         self.tools = tools
 
-    def _route(self, pieces: list[Piece]) -> list[Piece]:
+    def _route(self, pieces: list[Delta]) -> list[Delta]:
         if self.tools is None:
             return pieces
-        out: list[Piece] = []
+        out: list[Delta] = []
         for p in pieces:
             out += self.tools.feed(p.text) if isinstance(p, ContentDelta) else [p]
         return out
 
-    def feed(self, text: str) -> list[Piece]:
+    def feed(self, text: str) -> list[Delta]:
         if not text:
             return []
         return self._route(self.reasoning.feed(text) if self.reasoning else [ContentDelta(text)])
 
-    def finish(self) -> list[Piece]:
+    def finish(self) -> list[Delta]:
         out = self._route(self.reasoning.finish()) if self.reasoning else []
         return out + (self.tools.finish() if self.tools else [])
 
@@ -71,7 +71,7 @@ class OutputParser:
         return assemble(self.feed(text) + self.finish())
 
 
-def openai_deltas(pieces: list[Piece]) -> list[dict[str, Any]]:
+def openai_deltas(pieces: list[Delta]) -> list[dict[str, Any]]:
     """Chat-completion-chunk ``delta`` objects for pieces (content, reasoning_content, or one
     ``tool_calls`` entry each)."""
     out: list[dict[str, Any]] = []

@@ -13,7 +13,7 @@ never emits a partial ``<think>`` or ``</think>``.
 
 from __future__ import annotations
 
-from radixserve.frontend.parsers.base import ContentDelta, Piece, ReasoningDelta, marker_overlap
+from radixserve.chat.parsers.base import ContentDelta, Delta, ReasoningDelta, marker_overlap
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -40,18 +40,18 @@ class ReasoningStream:
         self._buf = ""
         self._held_ws = ""  # trailing whitespace of the reasoning, dropped at </think>
         self._reasoning_started = False
-        self._out: list[Piece] = []
+        self._out: list[Delta] = []
 
-    def feed(self, text: str) -> list[Piece]:
+    def feed(self, text: str) -> list[Delta]:
         self._buf += text
         self._run(final=False)
         return self._take()
 
-    def finish(self) -> list[Piece]:
+    def finish(self) -> list[Delta]:
         self._run(final=True)
         return self._take()
 
-    def _take(self) -> list[Piece]:
+    def _take(self) -> list[Delta]:
         out, self._out = self._out, []
         return out
 

@@ -1,0 +1,101 @@
+"""One call's prompts as typed jobs: the batch rules of ``Engine.generate`` and ``/generate``.
+
+A call gives one prompt or a batch (``text`` a list, or ``input_ids`` a list of lists), with
+one sampling dict for all or one per prompt, and one cache namespace (``extra_key``) for all
+or one per prompt.  :func:`split_batch` checks that the lists line up and yields one
+:class:`PromptSpec` per prompt; :func:`prepare_jobs` tokenizes and validates each (a bad one
+names its index in a batch) into a :class:`Job`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.runtime.tokenizer_manager import InvalidRequestError, SchedulingHints
+from radixserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt of a call as the caller gave it: text or ids, and its sampling dict."""
+
+    text: str | None
+    input_ids: list[int] | None
+    sampling: dict[str, Any] | None
+    hints: SchedulingHints
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt of a call, validated: its ids, sampling and scheduling hints."""
+
+    ids: list[int]
+    params: SamplingParams
+    hints: SchedulingHints
+
+
+def split_batch(
+    text: str | list[str] | None,
+    input_ids: list[int] | list[list[int]] | None,
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+    extra_key: str | list[str | None] | None = None,
+    *,
+    priority: int = 0,
+    cache_report: bool = False,
+) -> tuple[bool, list[PromptSpec]]:
+    """``(batched, specs)``; InvalidRequestError (a ValueError) whose ``param`` is the field."""
+    if text is None and input_ids is None:
+        raise InvalidRequestError("give prompt or input_ids", param="text")
+    if text is not None and input_ids is not None:
+        raise InvalidRequestError("give prompt or input_ids, not both", param="text")
+    if text is not None:
+        batched = isinstance(text, list)
+        texts: list[Any] = text if batched else [text]
+        ids_list: list[Any] = [None] * len(texts)
+    else:
+        batched = bool(input_ids) and isinstance(input_ids[0], list)
+        ids_list = input_ids if batched else [input_ids]
+        texts = [None] * len(ids_list)
+    n = len(texts)
+    if batched and n == 0:
+        raise InvalidRequestError("the batch is empty", param="text" if text is not None else "input_ids")
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != n:
+            raise InvalidRequestError(f"{len(sampling_params)} sampling_params for {n} prompts",
+                                      param="sampling_params")
+        sps = sampling_params
+    elif sampling_params is None or isinstance(sampling_params, dict):
+        sps = [sampling_params] * n
+    else:
+        raise InvalidRequestError("sampling_params must be a dict or a list of dicts", param="sampling_params")
+    keys = extra_key if isinstance(extra_key, list) else [extra_key] * n
+    if len(keys) != n:
+        raise InvalidRequestError(f"{len(keys)} extra_key values for {n} prompts", param="extra_key")
+    hints = [SchedulingHints(key or "", priority, cache_report=cache_report) for key in keys]
+    return batched, [PromptSpec(t, ids, sp, h) for t, ids, sp, h in zip(texts, ids_list, sps, hints, strict=True)]
+
+
+Prepare = Callable[[PromptSpec], tuple[list[int], SamplingParams]]
+
+
+def prepare_jobs(specs: list[PromptSpec], batched: bool, prepare: Prepare) -> list[Job]:
+    """Each spec tokenized and validated by ``prepare``; in a batch, an error of prompt i
+    says ``request i:`` first (its type and other attributes unchanged)."""
+    jobs = []
+    for i, spec in enumerate(specs):
+        try:
+            ids, params = prepare(spec)
+        except Exception as e:  # InvalidRequestError, or the HTTP layer's own error type
+            if batched:
+                _prefix(e, f"request {i}: ")
+            raise
+        jobs.append(Job(ids, params, spec.hints))
+    return jobs
+
+
+def _prefix(e: Exception, head: str) -> None:
+    e.args = (head + str(e), *e.args[1:])
+    if isinstance(getattr(e, "message", None), str):
+        e.message = head + e.message

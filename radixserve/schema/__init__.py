@@ -1,0 +1,1 @@
+"""Request schemas shared by the HTTP routes and the Python API (pydantic)."""

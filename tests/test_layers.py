@@ -1,0 +1,157 @@
+"""The package's layers, read from its import statements (type-only imports included).
+
+- no import cycle between modules;
+- ``radixserve.kernels`` (the Triton kernels) depends on nothing else in the package;
+- ``distributed`` sits below ``model`` (it never imports the model, attention, cache or
+  scheduler);
+- the runtime client layer (``runtime``) and the offline ``Engine`` never import the HTTP
+  layer (``frontend``);
+- no package file imports the checkout's ``bench/`` folder.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIRS = {"radixserve": ROOT / "radixserve", "radixserve.kernels": ROOT / "kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for prefix, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([prefix, *parts])] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _absolute(module: str | None, level: int, importer: str, is_package: bool) -> str:
+    if not level:
+        return module or ""
+    base = importer.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imports_of(name: str) -> dict[str, int]:
+    """The package modules ``name`` imports, each with the line of its first import.
+    ``from pkg import sub`` where ``sub`` is a module counts as importing ``sub`` only."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node.module, node.level, name, path.name == "__init__.py")
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+            targets = subs if len(subs) == len(node.names) else [base, *subs]
+        for target in targets:
+            if target in MODULES and target != name:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _crossings(frm: str, to: tuple[str, ...]) -> list[str]:
+    return [f"{MODULES[a].relative_to(ROOT)}:{line} imports {b}"
+            for a, deps in sorted(GRAPH.items()) if _in(a, frm)
+            for b, line in sorted(deps.items()) if any(_in(b, t) for t in to)]
+
+
+def test_the_graph_sees_the_package():
+    # the checks below are only as good as the graph: it must find the known edges
+    assert len(MODULES) > 100
+    assert "radixserve.config" in GRAPH["radixserve.engine"]
+    assert "radixserve.kernels.common" in GRAPH["radixserve.kernels.decode_attention"]
+
+
+def test_no_import_cycle():
+    assert _cycles() == []
+
+
+@pytest.mark.parametrize("frm, forbidden", [
+    ("radixserve.kernels", ("radixserve.attention", "radixserve.batch", "radixserve.cache", "radixserve.model",
+                            "radixserve.scheduler", "radixserve.config", "radixserve.distributed")),
+    ("radixserve.distributed", ("radixserve.model", "radixserve.attention", "radixserve.cache",
+                                "radixserve.scheduler", "radixserve.batch")),
+    ("radixserve.runtime", ("radixserve.frontend",)),
+    ("radixserve.engine", ("radixserve.frontend",)),
+])
+def test_layer_arrows(frm, forbidden):
+    assert _crossings(frm, forbidden) == []
+
+
+def test_kernels_depend_on_nothing_else_in_the_package():
+    outside = [c for c in _crossings("radixserve.kernels", ("radixserve",)) if " radixserve.kernels" not in c]
+    assert outside == []
+
+
+def test_no_package_file_reaches_into_bench():
+    offenders = []
+    for path in MODULES.values():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                mods = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                mods = [node.value] if node.value.startswith("bench.") else []
+            if any(m == "bench" or m.startswith("bench.") for m in mods):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
