@@ -66,16 +66,16 @@ class IncrementalDetokenizer:
             st = self.states.get(rid)
             if st is None:
                 st = DecodeState()
-                if init:
-                    st.stop = list(init.get("stop") or [])
-                    st.skip_special_tokens = bool(init.get("skip_special_tokens", True))
-                    st.no_stop_trim = bool(init.get("no_stop_trim", False))
+                if init is not None:
+                    st.stop = list(init.stop)
+                    st.skip_special_tokens = init.skip_special_tokens
+                    st.no_stop_trim = init.no_stop_trim
                 self.states[rid] = st
             finished = out.finished[i]
             new_ids = out.new_ids[i]
-            if finished and not st.no_stop_trim and isinstance(finished.get("matched"), int):
+            if finished is not None and not st.no_stop_trim and isinstance(finished.matched, int):
                 # A stop token (not a stop string) is not part of the text.
-                if new_ids and new_ids[-1] == finished["matched"]:
+                if new_ids and new_ids[-1] == finished.matched:
                     new_ids = new_ids[:-1]
             st.ids.extend(new_ids)
             self._advance(st, final=finished is not None)
@@ -85,7 +85,7 @@ class IncrementalDetokenizer:
                 st.sent_len = max(st.sent_len, safe)
                 continue
             text = st.text
-            matched = finished.get("matched")
+            matched = finished.matched
             if isinstance(matched, str) and not st.no_stop_trim:
                 cut = text.find(matched)
                 if cut >= 0:

@@ -22,8 +22,10 @@ def feed(detok: IncrementalDetokenizer, rid: str, ids: list[int], stop: list[str
     last = len(ids) if finish_at is None else finish_at + 1
     for i in range(last):
         fin = finished if i == last - 1 else None
-        init = {"stop": stop, "skip_special_tokens": True, "no_stop_trim": False} if i == 0 else None
-        out = detok.process(m.TokenOut(rids=[rid], new_ids=[[ids[i]]], finished=[fin], meta=[{}], init=[init]))
+        init = m.DetokSettings(stop) if i == 0 else None
+        fin = None if fin is None else m.FinishReason(**fin)
+        out = detok.process(m.TokenOut(rids=[rid], new_ids=[[ids[i]]], finished=[fin],
+                                       meta=[m.ReqMeta(len(ids), 0, i + 1, None)], init=[init]))
         deltas.append(out.text_deltas[0])
     return deltas
 

@@ -51,9 +51,9 @@ def token_out(rows: list[tuple[str, list[int], dict | None]], init: bool = False
     """A TokenOut frame from ``(rid, new_ids, finished)`` rows."""
     return m.encode(m.TokenOut(
         rids=[r for r, _, _ in rows], new_ids=[ids for _, ids, _ in rows],
-        finished=[f for _, _, f in rows], meta=[{} for _ in rows],
-        init=[{"stop": [], "skip_special_tokens": True, "no_stop_trim": False} if init else None
-              for _ in rows],
+        finished=[None if f is None else m.FinishReason(**f) for _, _, f in rows],
+        meta=[m.ReqMeta(len(ids), 0, len(ids), None) for _, ids, _ in rows],
+        init=[m.DetokSettings([]) if init else None for _ in rows],
     ))
 
 
@@ -170,7 +170,7 @@ def test_unsendable_output_is_answered_with_errors(sched, monkeypatch) -> None:
 
     def with_bad_meta() -> Any:
         out = real()
-        out.meta[0]["bad"] = object()  # orjson cannot encode it
+        out.meta[0].spec = {"bad": object()}  # orjson cannot encode it
         return out
 
     monkeypatch.setattr(sched, "step", with_bad_meta)

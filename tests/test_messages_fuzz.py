@@ -1,9 +1,11 @@
 """Fuzzing ``messages.decode``: whatever bytes arrive, it returns a well-typed message or
 raises ValueError, never anything else.
 
-The oracle is ``fits``: a slow, plain recursive reading of the dataclass annotations.  Valid
-frames are drawn from the annotations, then truncated, or mutated (one value somewhere in a
-field replaced by a value of another JSON type, a row added to or dropped from one row list).
+The oracle is ``fits``: a slow, plain recursive reading of the dataclass annotations (a
+record inside a message, a dataclass, fits when its fields do and it can be built: its own
+checks pass).  Valid frames are drawn from the annotations, then truncated, or mutated (one
+value somewhere in a field replaced by a value of another JSON type, a row added to or dropped
+from one row list).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.ipc import messages as m
+from radixserve.sampling import SamplingParams
 
 MESSAGES = sorted(m._REGISTRY.values(), key=lambda c: c.TYPE)
 HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGES}
@@ -39,6 +42,12 @@ FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=True
 def fits(value: Any, tp: Any) -> bool:
     """``value`` (decoded JSON) is a ``tp``: a bool is not an int, an int is a float."""
     if tp is Any:
+        return True
+    if dataclasses.is_dataclass(tp):
+        try:
+            built(value, tp)
+        except (TypeError, ValueError):
+            return False
         return True
     if tp is type(None):
         return value is None
@@ -60,6 +69,31 @@ def fits(value: Any, tp: Any) -> bool:
     raise AssertionError(f"no oracle for {tp!r}")
 
 
+def built(value: Any, tp: Any) -> Any:
+    """``value`` as a ``tp``, its records built (TypeError / ValueError when it does not fit)."""
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError("not an object")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp) if f.init}
+        if not set(value) <= names:
+            raise TypeError("unknown fields")
+        return tp(**{k: built(x, hints[k]) for k, x in value.items()})  # TypeError: one missing
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            if fits(value, a):
+                return built(value, a)
+        raise TypeError("no branch")
+    if origin is list and isinstance(value, list):
+        return [built(x, args[0]) for x in value]
+    if origin is dict and isinstance(value, dict):
+        return {k: built(x, args[1]) for k, x in value.items()}
+    if not fits(value, tp):
+        raise TypeError("does not fit")
+    return value
+
+
 def rows_line_up(cls: type, values: dict[str, Any]) -> bool:
     if not cls._ROWS:
         return True
@@ -71,7 +105,21 @@ def rows_line_up(cls: type, values: dict[str, Any]) -> bool:
 def well_typed(msg: Any) -> bool:
     cls = type(msg)
     values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
-    return cls in HINTS and all(fits(v, HINTS[cls][k]) for k, v in values.items()) and rows_line_up(cls, values)
+    return cls in HINTS and all(typed(v, HINTS[cls][k]) for k, v in values.items()) and rows_line_up(cls, values)
+
+
+def typed(value: Any, tp: Any) -> bool:
+    """A decoded field: records built (an instance of their class), the rest as ``fits``."""
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(typed(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(typed(x, args[0]) for x in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(typed(x, args[1]) for x in value.values())
+    return fits(value, tp)
 
 
 def decode_or_value_error(data: bytes) -> Any:
@@ -88,10 +136,29 @@ def decode_or_value_error(data: bytes) -> Any:
 # ---------------------------------------------------------------- valid frames
 
 
+# Sampling values its own checks accept (a random number is mostly out of range).
+SAMPLING = st.fixed_dictionaries({}, optional={
+    "max_new_tokens": st.integers(0, 100), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+    "top_k": st.sampled_from([-1, 1, 5]), "min_p": st.floats(0, 1), "seed": st.none() | st.integers(0, 2**40),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2), "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 50), max_size=2), "regex": st.none() | st.text(max_size=4),
+    "logit_bias": st.dictionaries(st.integers(0, 50).map(str), st.floats(-100, 100), max_size=2),
+})
+
+
 def values_of(tp: Any) -> st.SearchStrategy[Any]:
     """Decoded JSON values of the annotation ``tp``."""
     if tp is Any:
         return JSON
+    if tp is SamplingParams:
+        return SAMPLING
+    if dataclasses.is_dataclass(tp):  # required fields always, the others sometimes
+        hints = typing.get_type_hints(tp)
+        fields = [f for f in dataclasses.fields(tp) if f.init]
+        required = {f.name: values_of(hints[f.name]) for f in fields
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        return st.fixed_dictionaries(required, optional={f.name: values_of(hints[f.name]) for f in fields
+                                                         if f.name not in required})
     if tp is type(None):
         return st.none()
     if tp is bool:
@@ -164,7 +231,7 @@ def test_valid_frames_decode_to_what_was_sent(cls: type, data: st.DataObject) ->
     payload = data.draw(payloads(cls))
     msg = decode_or_value_error(orjson.dumps(payload))
     assert msg is not None and type(msg) is cls
-    sent = {k: v for k, v in payload.items() if k != "type"}
+    sent = {k: built(v, HINTS[cls][k]) for k, v in payload.items() if k != "type"}
     assert {k: getattr(msg, k) for k in sent} == sent
 
 
@@ -227,6 +294,8 @@ def test_rows_that_do_not_line_up_are_refused(payload: dict[str, Any], data: st.
 
 # ---------------------------------------------------------------- named cases
 
+META = {"prompt_tokens": 3, "cached_tokens": 1, "completion_tokens": 0, "queue_time": None}
+
 
 @pytest.mark.parametrize("payload, fragment", [
     ({"type": "token_out", "rids": 5, "new_ids": [], "finished": [], "meta": [], "init": []}, "'rids': expected a list, got int"),
@@ -236,6 +305,14 @@ def test_rows_that_do_not_line_up_are_refused(payload: dict[str, Any], data: st.
     ({"type": "error_out", "rid": "a", "message": "m", "status": "400"}, "'status': expected an integer, got str"),
     ({"type": "token_out", "rids": ["a"], "new_ids": [[1, "x"]], "finished": [None], "meta": [{}], "init": [None]},
      "'new_ids'[0][1]: expected an integer, got str"),
+    ({"type": "token_out", "rids": ["a"], "new_ids": [[1]], "finished": [None], "meta": [META], "init": [{"stop": 1}]},
+     "'init'[0].stop: expected a list, got int"),
+    ({"type": "token_out", "rids": ["a", "b"], "new_ids": [[1], []], "finished": [None, None],
+      "meta": [META, {**META, "pin": {"tokens": "3"}}], "init": [None, None]}, "'meta'[1].pin.tokens: expected an integer"),
+    ({"type": "token_out", "rids": ["a"], "new_ids": [[1]], "finished": [{"type": "stop", "extra": 1}], "meta": [META],
+      "init": [None]}, "'finished'[0]: has fields ['extra', 'type']"),
+    ({"type": "generate", "rid": "a", "input_ids": [1], "sampling_params": {"top_p": 2}, "seed": 1},
+     "'sampling_params': sampling_params.top_p must be in (0, 1]"),
     ({"type": "token_out", "rids": ["a", "b"], "new_ids": [[1]], "finished": [None], "meta": [{}], "init": [None]},
      "'new_ids' has 1 rows, 'rids' has 2"),
     ({"type": "str_out", "rids": ["a"], "text_deltas": ["x"], "new_ids": [[1]], "finished": [None], "meta": [{}],
@@ -253,9 +330,10 @@ def test_wrong_types_are_named(payload: dict[str, Any], fragment: str) -> None:
 
 def test_ints_are_floats_and_nulls_are_rows() -> None:
     msg = m.decode(orjson.dumps({"type": "token_out", "rids": ["a", "b"], "new_ids": [[1], []],
-                                 "finished": [None, {"type": "stop", "matched": 2}], "meta": [{}, {}],
+                                 "finished": [None, {"type": "stop", "matched": 2}], "meta": [META, META],
                                  "init": [None, None], "logprobs": [[-1], None]}))
     assert msg.logprobs == [[-1], None] and msg.top_logprobs == []
+    assert msg.finished == [None, m.FinishReason("stop", 2)] and msg.meta[1] == m.ReqMeta(3, 1, 0, None)
 
 
 def test_messages_built_by_the_processes_decode() -> None:
@@ -263,12 +341,13 @@ def test_messages_built_by_the_processes_decode() -> None:
     grammar masked out), which JSON carries as null."""
     import numpy as np
 
-    out = m.TokenOut(rids=["a"], new_ids=[np.array([5, 6])], finished=[None], meta=[{"prompt_tokens": 3}],
-                     init=[None], logprobs=[[-0.5, float("-inf")]],
+    out = m.TokenOut(rids=["a"], new_ids=[np.array([5, 6])], finished=[None], meta=[m.ReqMeta(3, 0, 0, None)],
+                     init=[m.DetokSettings(["\n\n"])], logprobs=[[-0.5, float("-inf")]],
                      top_logprobs=[[[[5, -0.5], [9, float("-inf")]], [[6, -0.1], [7, float("-inf")]]]],
                      input_logprobs=[[None, -1.0, float("-inf")]], input_top_logprobs=[[None, [[1, float("-inf")]]]])
     back = m.decode(m.encode(out))
     assert back.new_ids == [[5, 6]] and back.logprobs == [[-0.5, None]]
+    assert back.meta == out.meta and back.init == out.init
     assert back.top_logprobs == [[[[5, -0.5], [9, None]], [[6, -0.1], [7, None]]]]
     assert back.input_top_logprobs == [[None, [[1, None]]]]
 

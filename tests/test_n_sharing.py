@@ -65,6 +65,7 @@ def test_prompts_differing_in_last_token_share_the_rest(tiny_model_dir) -> None:
 
 def test_prompt_logprobs_copies_still_compute_their_prompt(tiny_model_dir) -> None:
     from radixserve.ipc.messages import GenerateReq
+    from radixserve.sampling import SamplingParams
 
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=2048)
@@ -72,7 +73,8 @@ def test_prompt_logprobs_copies_still_compute_their_prompt(tiny_model_dir) -> No
     # Two copies want logprobs from position 0 (nothing may come from the tree for them);
     # the plain copy waits and reads the prompt from the tree.
     for i, start in enumerate((0, 0, -1)):
-        err = sched.add_request(GenerateReq(rid=f"lp{i}", input_ids=p, sampling_params={"max_new_tokens": 2},
+        err = sched.add_request(GenerateReq(rid=f"lp{i}", input_ids=p,
+                                            sampling_params=SamplingParams(max_new_tokens=2),
                                             seed=0, return_logprob=True, logprob_start_len=start))
         assert err is None
     results = run_until_idle(sched)

@@ -13,6 +13,7 @@ from helpers.sched_driver import make_scheduler, run_until_idle
 from radixserve import Engine
 from radixserve.ipc import messages as m
 from radixserve.model.decoder import ATTENTION_SCOPE
+from radixserve.sampling import SamplingParams
 from radixserve.scheduler.process import handle_frame
 from radixserve.scheduler.profiling import CATEGORIES, FORWARD_SCOPE, SAMPLING_SCOPE, scope_seconds
 
@@ -80,7 +81,7 @@ def test_profile_control_requests_split_the_step_time(tiny_model_dir) -> None:
     out = Outbox()
     for i, prompt in enumerate(PROMPTS):
         req = m.GenerateReq(rid=f"p{i}", input_ids=prompt, seed=0,
-                            sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+                            sampling_params=SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
         handle_frame(sched, m.encode(req), out)
     run_until_idle(sched)
     result = control(sched, "stop_profile")

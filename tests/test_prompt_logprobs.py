@@ -19,6 +19,7 @@ from helpers.sched_driver import make_scheduler, run_until_idle
 from helpers.server import memory_checked_after_each_test, openai_client, tiny_chat_server
 
 from radixserve.ipc.messages import GenerateReq
+from radixserve.sampling import SamplingParams
 
 TOL = 1e-4
 
@@ -209,7 +210,7 @@ def test_bad_logprob_start_len_is_refused(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=512)
     for start in (4, 10, -2):
-        err = sched.add_request(GenerateReq(rid=f"bad{start}", input_ids=[7, 8, 9], sampling_params={},
+        err = sched.add_request(GenerateReq(rid=f"bad{start}", input_ids=[7, 8, 9], sampling_params=SamplingParams(),
                                             seed=0, return_logprob=True, logprob_start_len=start))
         assert err is not None and err.status == 400 and "logprob_start_len" in err.message
     assert not sched.has_work

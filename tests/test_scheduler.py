@@ -157,7 +157,7 @@ def test_abort_frees_pages_and_keeps_partial_kv_out(tiny_model_dir) -> None:
     assert len(generated) >= 4
     sched.abort(rid)
     out = sched.step()
-    assert out.rids == [rid] and out.finished[0]["type"] == "abort"
+    assert out.rids == [rid] and out.finished[0].type == "abort"
     report = sched.check_memory()
     assert report["request_pages"] == 0 and report["locked_tokens"] == 0
     # The prompt was cached after its prefill; the aborted request's decoded tokens were not.
@@ -194,7 +194,10 @@ def test_prefill_only_caches_the_prompt_and_samples_nothing(tiny_model_dir, page
 
 
 def test_bad_requests_are_answered_and_others_continue(tiny_model_dir) -> None:
-    from radixserve.ipc.messages import GenerateReq
+    import orjson
+
+    from radixserve.ipc import messages as m
+    from radixserve.scheduler.process import handle_frame
 
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=512, context_length=64)
@@ -211,9 +214,19 @@ def test_bad_requests_are_answered_and_others_continue(tiny_model_dir) -> None:
         "unknown": ([1, 2], {"bogus": 1}, "bogus"),
         "stop id": ([1, 2], {"stop_token_ids": [4096]}, "stop_token_ids"),
     }
+    # Each one arrives as a frame (the sampling values as they were sent), as from the front end.
+    answers: list[bytes] = []
+
+    class Outbox:
+        def send(self, data: bytes) -> None:
+            answers.append(data)
+
     for name, (ids, params, fragment) in bad.items():
-        err = sched.add_request(GenerateReq(rid=f"bad-{name}", input_ids=ids, sampling_params=params, seed=0))
-        assert err is not None and err.status == 400 and err.rid == f"bad-{name}", name
+        frame = orjson.dumps({"type": "generate", "rid": f"bad-{name}", "input_ids": ids,
+                              "sampling_params": params, "seed": 0})
+        handle_frame(sched, frame, Outbox())
+        err = m.decode(answers.pop())
+        assert isinstance(err, m.ErrorOut) and err.status == 400 and err.rid == f"bad-{name}", name
         assert fragment in err.message, (name, err.message)
     res = run_until_idle(sched)
     assert len(res[good]["output_ids"]) == 4

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers.oracle import hf_greedy
-from helpers.sched_driver import make_scheduler, run_until_idle, submit
+from helpers.sched_driver import finish_dict, make_scheduler, run_until_idle, submit
 
 from radixserve.cache.radix_tree import RadixCache
 from radixserve.config import ServerArgs
@@ -47,7 +47,7 @@ def run_with_logprobs(sched: Any) -> dict[str, dict[str, Any]]:
             r["output_ids"] += out.new_ids[i]
             r["logprobs"] += out.logprobs[i] or []
             r["top"] += out.top_logprobs[i] or []
-            r["finished"] = out.finished[i]
+            r["finished"] = finish_dict(out.finished[i])
     assert sched.check_memory()["locked_tokens"] == 0
     return results
 

@@ -42,7 +42,6 @@ from radixserve.frontend.errors import APIError
 from radixserve.frontend.openai_common import (
     choice_rids,
     fan_in,
-    finish_type,
     params_per_choice,
     server_state,
     sse_event,
@@ -53,7 +52,8 @@ from radixserve.frontend.openai_common import (
 from radixserve.frontend.protocol import ChatCompletionRequest
 from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect
-from radixserve.runtime.pieces import Piece, merge
+from radixserve.ipc.messages import CacheReport
+from radixserve.runtime.pieces import Piece, RequestMeta, merge
 
 router = APIRouter()
 
@@ -144,8 +144,8 @@ def _hold_reasoning(pieces: list[Delta], held: list[str], finished: bool) -> lis
     return out
 
 
-def _finish_reason(meta: dict[str, Any], has_calls: bool) -> str | None:
-    reason = finish_type(meta)
+def _finish_reason(meta: RequestMeta, has_calls: bool) -> str | None:
+    reason = meta.finish_type
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
@@ -199,8 +199,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "logprobs": _chat_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
                 "finish_reason": _finish_reason(r.meta, has_calls),
             })
-        usage = usage_dict(len(ids), sum(r.meta["completion_tokens"] for r in merged),
-                           merged[0].meta["cached_tokens"], merged[0].meta.get("cache_report"))
+        usage = usage_dict(len(ids), sum(r.meta.completion_tokens for r in merged),
+                           merged[0].meta.cached_tokens, merged[0].meta.cache_report)
         return JSONBytesResponse({"id": cid, "object": "chat.completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
@@ -224,7 +224,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         held: list[tuple[list[int], list[float], list[Any]]] = [([], [], []) for _ in range(n)]
         started = set()
         completion, cached = 0, 0
-        report: dict[str, Any] | None = None
+        report: CacheReport | None = None
         async for i, piece in fan_in(streams(True)):
             if i not in started:
                 started.add(i)
@@ -255,9 +255,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 yield chunk([{"index": i, "delta": delta, "logprobs": lp,
                               "finish_reason": _finish_reason(meta, has_calls[i]) if last else None}])
             if finished:
-                completion += meta["completion_tokens"]
+                completion += meta.completion_tokens
                 if i == 0:
-                    cached, report = meta["cached_tokens"], meta.get("cache_report")
+                    cached, report = meta.cached_tokens, meta.cache_report
         if include_usage:
             yield chunk([], usage_dict(len(ids), completion, cached, report))
         yield b"data: [DONE]\n\n"

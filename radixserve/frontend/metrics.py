@@ -8,11 +8,14 @@ stats at scrape time.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from radixserve.runtime.pieces import RequestMeta
 
 FINISH_REASONS = ("stop", "length", "abort")  # messages.py's finish_reason types
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -124,15 +127,14 @@ class Metrics:
             for _ in range(n):
                 self.itl.observe(gap / n)
 
-    def on_finish(self, meta: dict[str, Any], e2e: float) -> None:
-        self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
-        self.generation_tokens.inc(meta.get("completion_tokens", 0))
-        self.cached_tokens.inc(meta.get("cached_tokens", 0))
-        reason = (meta.get("finish_reason") or {}).get("type", "unknown")
-        self.requests.labels(finish_reason=reason).inc()
+    def on_finish(self, meta: RequestMeta, e2e: float) -> None:
+        self.prompt_tokens.inc(meta.prompt_tokens)
+        self.generation_tokens.inc(meta.completion_tokens)
+        self.cached_tokens.inc(meta.cached_tokens)
+        self.requests.labels(finish_reason=meta.finish_type or "unknown").inc()
         self.e2e.observe(e2e)
-        if meta.get("queue_time") is not None:
-            self.queue_time.observe(meta["queue_time"])
+        if meta.queue_time is not None:
+            self.queue_time.observe(meta.queue_time)
 
     def render(self, scheduler_stats: dict[str, Any]) -> bytes:
         self._scheduler.stats = scheduler_stats

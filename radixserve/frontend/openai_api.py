@@ -14,7 +14,6 @@ from radixserve.frontend.errors import APIError
 from radixserve.frontend.openai_common import (
     choice_rids,
     fan_in,
-    finish_type,
     params_per_choice,
     server_state,
     sse_event,
@@ -25,6 +24,7 @@ from radixserve.frontend.openai_common import (
 from radixserve.frontend.protocol import CompletionRequest
 from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect
+from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece, merge
 
 router = APIRouter()
@@ -116,11 +116,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 prompt_logprobs(i, r),
                 _completion_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs, len(echo_text[i])),
             ) if want_lp else None,
-            "finish_reason": finish_type(r.meta),
+            "finish_reason": r.meta.finish_type,
         } for i, r in enumerate(results)]
-        cached = sum(results[k * body.n].meta["cached_tokens"] for k in range(len(prepared)))
-        usage = usage_dict(prompt_tokens, sum(r.meta["completion_tokens"] for r in results), cached,
-                           results[0].meta.get("cache_report"))
+        cached = sum(results[k * body.n].meta.cached_tokens for k in range(len(prepared)))
+        usage = usage_dict(prompt_tokens, sum(r.meta.completion_tokens for r in results), cached,
+                           results[0].meta.cache_report)
         return JSONBytesResponse({"id": cid, "object": "text_completion", "created": created,
                                "model": model, "choices": choices, "usage": usage})
 
@@ -134,7 +134,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     async def gen() -> AsyncIterator[bytes]:
         completion, cached = 0, 0
-        report: dict[str, Any] | None = None
+        report: CacheReport | None = None
         sent_echo: set[int] = set()
         text_pos = [0] * len(jobs)  # characters of choice i's text sent so far
         # Per choice, logprobs not sent yet: a piece whose text is held back (a character
@@ -160,13 +160,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     held[i] = {"prompt": None, "ids": [], "lps": [], "tops": []}
                 text_pos[i] += len(text)
                 yield chunk([{"index": i, "text": text, "logprobs": lp,
-                              "finish_reason": finish_type(piece.meta) if finished else None}])
+                              "finish_reason": piece.meta.finish_type if finished else None}])
             if finished:
-                completion += piece.meta["completion_tokens"]
+                completion += piece.meta.completion_tokens
                 if i % body.n == 0:
-                    cached += piece.meta["cached_tokens"]
+                    cached += piece.meta.cached_tokens
                 if i == 0:
-                    report = piece.meta.get("cache_report")
+                    report = piece.meta.cache_report
         if include_usage:
             yield chunk([], usage_dict(prompt_tokens, completion, cached, report))
         yield b"data: [DONE]\n\n"

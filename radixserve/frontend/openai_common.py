@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from radixserve.frontend.errors import error_body
 from radixserve.frontend.serving import ServerState
+from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece
 from radixserve.runtime.tokenizer_manager import RequestError
 from radixserve.sampling import SamplingParams
@@ -30,11 +31,6 @@ def server_state(request: Request) -> ServerState:
 
 def sse_event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def finish_type(meta: dict[str, Any]) -> str | None:
-    reason = meta.get("finish_reason")
-    return None if reason is None else reason.get("type")
 
 
 def params_per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -56,7 +52,7 @@ def choice_rids(rid: str | None, count: int) -> list[str | None]:
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int,
-               cache_report: dict[str, Any] | None = None) -> dict[str, Any]:
+               cache_report: CacheReport | None = None) -> dict[str, Any]:
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -64,7 +60,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
     if cache_report is not None:  # return_cache_report (an extension)
-        usage["cache_report"] = cache_report
+        usage["cache_report"] = cache_report.to_dict()
     return usage
 
 

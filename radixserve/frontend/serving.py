@@ -150,7 +150,7 @@ class ServerState:
                 if n and ttft is None:
                     # The first token's own time, also when it arrives with others (non-streaming
                     # requests, stream_interval > 1): the tokens after it are spread over the rest.
-                    ttft = piece.meta.get("ttft", now - t0)
+                    ttft = piece.meta.ttft if piece.meta.ttft is not None else now - t0
                     self.metrics.on_first_token(ttft)
                     if n > 1:
                         self.metrics.on_tokens(now - t0 - ttft, n - 1)
@@ -164,9 +164,8 @@ class ServerState:
                     self.metrics.on_finish(meta, total)
                     logger.info(
                         "request %s: prompt %d, cached %d, completion %d tokens, ttft %.3f s, total %.3f s, %s",
-                        rid, meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0),
-                        meta.get("completion_tokens", 0), ttft if ttft is not None else total, total,
-                        (meta.get("finish_reason") or {}).get("type"),
+                        rid, meta.prompt_tokens, meta.cached_tokens, meta.completion_tokens,
+                        ttft if ttft is not None else total, total, meta.finish_type,
                     )
                 yield piece
         finally:

@@ -1,12 +1,18 @@
 """Type checks of decoded JSON values against annotations (the forms ``messages`` uses: str,
-int, float, bool, None, unions of them, ``list[...]``, ``dict[str, ...]``, ``Any``).
+int, float, bool, None, unions of them, ``list[...]``, ``dict[str, ...]``, ``Any``, and
+records: dataclasses, sent as JSON objects of their fields).
 
 ``compile_test(tp)`` returns a fast ``value -> bool``; ``explain(tp, value)`` says what is
-wrong and where (``"[3][0]: expected an integer, got str"``), or None.
+wrong and where (``"[3][0]: expected an integer, got str"``), or None.  A record's fields are
+checked when it is built: ``compile_build(tp)`` returns ``value -> value`` that turns every
+JSON object standing for a record into the record (ValueError saying where a field is wrong),
+or None when ``tp`` holds no record.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import types
 import typing
@@ -29,6 +35,108 @@ def _is_union(tp: Any) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType)
 
 
+def _is_record(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """A record type's fields: their annotations, fast tests, builders, and the required ones."""
+
+    hints: dict[str, Any]
+    tests: dict[str, Callable[[Any], bool]]
+    builds: dict[str, Callable[[Any], Any]]
+    required: frozenset[str]
+
+
+@functools.cache
+def _record(tp: type) -> _Record:
+    hints = typing.get_type_hints(tp)
+    fields = [f for f in dataclasses.fields(tp) if f.init]
+    return _Record(
+        hints={f.name: hints[f.name] for f in fields},
+        tests={f.name: compile_test(hints[f.name]) for f in fields},
+        builds={f.name: b for f in fields if (b := compile_build(hints[f.name])) is not None},
+        required=frozenset(f.name for f in fields if f.default is dataclasses.MISSING
+                           and f.default_factory is dataclasses.MISSING),
+    )
+
+
+def _build_record(tp: type, value: dict[str, Any]) -> Any:
+    rec = _record(tp)
+    names = value.keys()
+    if not (rec.required <= names <= rec.hints.keys()):
+        raise ValueError(f": has fields {sorted(names)}, expected {sorted(rec.hints)}")
+    for name, item in value.items():
+        if not rec.tests[name](item):
+            raise ValueError(f".{name}{explain(rec.hints[name], item)}")
+    if rec.builds:
+        value = dict(value)
+        build_fields(rec.builds, value, ".{}".format)
+    try:
+        return tp(**value)
+    except (TypeError, ValueError) as e:  # the record's own checks (__post_init__)
+        raise ValueError(f": {e}") from None
+
+
+def build_fields(builds: dict[str, Callable[[Any], Any]], values: dict[str, Any],
+                 where: Callable[[str], str]) -> None:
+    """Build the records in ``values`` (in place) with the fields' builders; a ValueError
+    names the field as ``where(name)`` says."""
+    for name, build in builds.items():
+        if name in values:
+            try:
+                values[name] = build(values[name])
+            except ValueError as e:
+                raise ValueError(f"{where(name)}{e}") from None
+
+
+def compile_build(tp: Any) -> Callable[[Any], Any] | None:
+    """``value -> value`` with every record in it built (its JSON object checked first);
+    None when ``tp`` holds no record.  Run after ``compile_test(tp)`` passed."""
+    if _is_record(tp):
+        return functools.partial(_build_record, tp)
+    args = typing.get_args(tp)
+    if _is_union(tp):
+        rest = [a for a in args if a is not type(None)]
+        inner = compile_build(rest[0]) if len(rest) == 1 else None
+        if inner is None:
+            if any(compile_build(a) is not None for a in rest):
+                raise TypeError(f"no record builder for the annotation {tp!r}")
+            return None
+        return lambda v: None if v is None else inner(v)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        item = compile_build(args[0])
+        return None if item is None else functools.partial(_build_items, item)
+    if origin is dict:
+        item = compile_build(args[1])
+        return None if item is None else functools.partial(_build_values, item)
+    return None
+
+
+def _build_items(item: Callable[[Any], Any], v: list[Any]) -> list[Any]:
+    try:
+        return [item(x) for x in v]
+    except ValueError:
+        for i, x in enumerate(v):  # the slow way, to say which item
+            try:
+                item(x)
+            except ValueError as e:
+                raise ValueError(f"[{i}]{e}") from None
+        raise
+
+
+def _build_values(item: Callable[[Any], Any], v: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, x in v.items():
+        try:
+            out[k] = item(x)
+        except ValueError as e:
+            raise ValueError(f"[{k!r}]{e}") from None
+    return out
+
+
 def _levels(tp: Any, nullable: bool = False) -> list[tuple[str, frozenset]]:
     """``(step, allowed types)`` per nesting level of ``tp`` (or null, when ``nullable``):
     ``step`` makes a level's items from the level above (``{}``), and a value fits ``tp``
@@ -36,6 +144,8 @@ def _levels(tp: Any, nullable: bool = False) -> list[tuple[str, frozenset]]:
     if tp is Any:
         return []
     null = {type(None)} if nullable else set()
+    if _is_record(tp):  # an object; its fields are checked when it is built
+        return [("{}", frozenset({dict} | null))]
     if tp in _SCALARS:
         return [("{}", frozenset({float, int} if tp is float else {tp}) | null)]  # an int is a float
     args = typing.get_args(tp)
@@ -95,6 +205,8 @@ def explain(tp: Any, v: Any) -> str | None:
     """What is wrong with ``v`` as a ``tp`` (None when nothing is); the slow twin of the test."""
     if tp is Any:
         return None
+    if _is_record(tp):
+        return None if type(v) is dict else f": expected an object, got {_got(v)}"
     if tp in _SCALARS:
         ok = type(v) is tp or (tp is float and type(v) is int)
         return None if ok else f": expected {_SCALARS[tp]}, got {_got(v)}"

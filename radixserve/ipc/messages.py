@@ -5,7 +5,9 @@ Every message is a dataclass registered under a type tag.  ``encode`` writes
 type against the dataclass's annotations before building it, and for a message of parallel
 row lists (:class:`TokenOut`, :class:`StrOut`) that the rows line up, so a malformed message
 fails loudly at the boundary, with a ``ValueError`` saying what is wrong, instead of crashing
-whoever handles it.
+whoever handles it.  A field may hold records (dataclasses: :class:`FinishReason`,
+:class:`ReqMeta`, ``SamplingParams``, ...): they travel as JSON objects and are checked field
+by field and rebuilt on decode, so no untyped dict crosses a boundary.
 
 Every request id gets exactly one terminal message: a :class:`TokenOut` / :class:`StrOut`
 row with ``finished`` set (reason ``stop``, ``length`` or ``abort``), or an :class:`ErrorOut`.
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
 
-from radixserve.ipc.json_types import compile_test, explain
+from radixserve.ipc.json_types import build_fields, compile_build, compile_test, explain
+from radixserve.sampling.params import SamplingParams
 
 _REGISTRY: dict[str, type] = {}
 
@@ -44,6 +47,7 @@ def message(tag: str, rows: bool = False) -> Callable[[type], type]:
         }
         cls._HINTS = {f.name: hints[f.name] for f in fields(cls)}
         cls._TESTS = {f.name: compile_test(hints[f.name]) for f in fields(cls)}
+        cls._BUILDS = {f.name: b for f in fields(cls) if (b := compile_build(hints[f.name])) is not None}
         cls._ROWS = [f.name for f in fields(cls)] if rows else []
         _REGISTRY[tag] = cls
         return cls
@@ -54,7 +58,8 @@ def message(tag: str, rows: bool = False) -> Callable[[type], type]:
 def encode(msg: Any) -> bytes:
     payload = {"type": type(msg).TYPE}
     payload.update({name: getattr(msg, name) for name in type(msg)._FIELDS})
-    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+    # Records (dataclasses) are written as objects; int keys (a logit bias) as strings.
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
 
 def decode(data: bytes) -> Any:
@@ -78,7 +83,21 @@ def decode(data: bytes) -> Any:
             raise ValueError(f"message {tag!r}: field {name!r}{err}")
     if cls._ROWS:
         _check_rows(tag, cls, payload)
+    build_fields(cls._BUILDS, payload, lambda name: f"message {tag!r}: field {name!r}")
     return cls(**payload)
+
+
+def request_id(data: bytes) -> str | None:
+    """The id of the generate request in ``data`` if it has a string one (None otherwise),
+    for answering a request whose message did not decode."""
+    try:
+        payload = orjson.loads(data)
+    except ValueError:
+        return None
+    if isinstance(payload, dict) and payload.get("type") == GenerateReq.TYPE:
+        rid = payload.get("rid")
+        return rid if isinstance(rid, str) else None
+    return None
 
 
 def _check_rows(tag: str, cls: type, payload: dict[str, Any]) -> None:
@@ -99,6 +118,92 @@ Logprob = float | None
 TopLogprobs = list[list[Logprob]]
 
 
+# ---------------------------------------------------------------- records inside messages
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended: ``stop`` (``matched``: the stop token id or string, None for EOS
+    or a finished grammar), ``length`` (``length``: the output's length then, as SGLang
+    reports it) or ``abort``."""
+
+    type: str
+    matched: int | str | None = None
+    length: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang's ``meta_info.finish_reason``."""
+        d: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.type == "length":
+            d["length"] = self.length
+        return d
+
+
+@dataclass
+class DetokSettings:
+    """What the detokenizer needs of a request, sent with its first row."""
+
+    stop: list[str]
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class PinResult:
+    """A pin made when its request finished (``POST /cache/pin``), or why none was."""
+
+    pin_id: str | None = None
+    tokens: int = 0
+    cache_salt: str | None = None
+    expires_in: float | None = None  # seconds; None: until unpinned
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.error is not None:
+            return {"error": self.error}
+        return {"pin_id": self.pin_id, "tokens": self.tokens, "cache_salt": self.cache_salt,
+                "expires_in": self.expires_in}
+
+
+@dataclass
+class CacheReport:
+    """Where a request's prefix match stopped (``meta_info.cache_report``): the tokens served
+    from the cache and, when the match stopped inside the cache's text, the request's and the
+    cache's next ids there (``cache/tree_view.py``; the front end adds their ``context``,
+    ``request_next`` and ``cached_next`` text)."""
+
+    cached_tokens: int
+    position: int | None = None
+    before_ids: list[int] | None = None
+    request_ids: list[int] | None = None
+    cached_ids: list[int] | None = None
+    cached_after: int | None = None
+    near_miss: bool | None = None
+    context: str | None = None
+    request_next: str | None = None
+    cached_next: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class ReqMeta:
+    """One row's request description, as the scheduler knows it."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_time: float | None  # seconds from arrival to first admission
+    # Lets the front end place the first token in time when it receives several at once
+    # (non-streaming requests, stream_interval > 1).
+    since_first_token: float = 0.0
+    pin: PinResult | None = None
+    cached_tokens_details: dict[str, int] | None = None  # the hit by the tier it came from
+    cache_report: CacheReport | None = None
+    spec: dict[str, float] | None = None  # SGLang's ``spec_*`` counters (speculative decoding)
+
+
 # ---------------------------------------------------------------- front end -> scheduler
 
 
@@ -106,7 +211,7 @@ TopLogprobs = list[list[Logprob]]
 class GenerateReq:
     rid: str
     input_ids: list[int]
-    sampling_params: dict[str, Any]  # SamplingParams.to_dict()
+    sampling_params: SamplingParams
     seed: int  # the user's seed, or one drawn by the front end
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -143,17 +248,15 @@ class ControlReq:
 class TokenOut:
     """One scheduler step's new tokens, for every request that produced some.
 
-    Rows are parallel lists.  ``finished[i]`` is None while request i runs, else a dict
-    ``{"type": "stop"|"length"|"abort", "matched": token id | stop string | None}``.
-    ``init[i]`` carries the detokenizer settings (stop strings, skip_special_tokens,
-    no_stop_trim) on the first message of a request, else None.
+    Rows are parallel lists.  ``finished[i]`` is None while request i runs.  ``init[i]``
+    carries the detokenizer settings on the first message of a request, else None.
     """
 
     rids: list[str]
     new_ids: list[list[int]]
-    finished: list[dict[str, Any] | None]
-    meta: list[dict[str, Any]]  # prompt_tokens, cached_tokens, completion_tokens
-    init: list[dict[str, Any] | None]
+    finished: list[FinishReason | None]
+    meta: list[ReqMeta]
+    init: list[DetokSettings | None]
     logprobs: list[list[Logprob] | None] = field(default_factory=list)
     top_logprobs: list[list[TopLogprobs] | None] = field(default_factory=list)
     # Prompt logprobs, on the request's first row only (else None): one entry per prompt
@@ -185,8 +288,8 @@ class StrOut:
     rids: list[str]
     text_deltas: list[str]
     new_ids: list[list[int]]
-    finished: list[dict[str, Any] | None]
-    meta: list[dict[str, Any]]
+    finished: list[FinishReason | None]
+    meta: list[ReqMeta]
     logprobs: list[list[Logprob] | None] = field(default_factory=list)
     top_logprobs: list[list[TopLogprobs] | None] = field(default_factory=list)
     # Prompt logprobs, passed through from TokenOut.

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.runtime.pieces import Piece
+from radixserve.runtime.pieces import Piece, RequestMeta
 
 Triple = list[Any]  # [logprob | None, token_id, text | None]
 
@@ -62,7 +62,7 @@ class NativeOutput:
         self.tokenizer = tokenizer
         self._text: list[str] = []
         self._ids: list[int] = []
-        self._meta: dict[str, Any] = {}
+        self._meta: RequestMeta | None = None
         self._lists: dict[str, list[Any]] = {
             "output_token_logprobs": [], "output_top_logprobs": [],
             "input_token_logprobs": [], "input_top_logprobs": [],
@@ -72,7 +72,7 @@ class NativeOutput:
         self._text.append(piece.text)
         self._ids.extend(piece.output_ids)
         self._meta = piece.meta
-        meta = dict(piece.meta)
+        meta = piece.meta.info()
         if self.lp.return_logprob:
             lists = self._format_logprobs(piece)
             for key, values in lists.items():
@@ -81,7 +81,7 @@ class NativeOutput:
         return {"text": piece.text, "output_ids": list(piece.output_ids), "meta_info": meta}
 
     def result(self) -> dict[str, Any]:
-        meta = dict(self._meta)
+        meta = self._meta.info() if self._meta is not None else {}
         if self.lp.return_logprob:
             meta.update({key: list(values) for key, values in self._lists.items()})
         return {"text": "".join(self._text), "output_ids": list(self._ids), "meta_info": meta}

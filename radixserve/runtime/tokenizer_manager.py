@@ -19,7 +19,8 @@ import zmq
 import zmq.asyncio
 
 from radixserve.ipc import messages as m
-from radixserve.runtime.pieces import Piece
+from radixserve.ipc.messages import CacheReport
+from radixserve.runtime.pieces import Piece, RequestMeta
 from radixserve.sampling import SamplingParams, draw_seed
 from radixserve.validation import check_input_ids, check_logprob_start_len, is_text
 
@@ -204,7 +205,7 @@ class TokenizerManager:
         msg = m.GenerateReq(
             rid=key,
             input_ids=input_ids,
-            sampling_params=params.to_dict(),
+            sampling_params=params,
             seed=params.seed if params.seed is not None else draw_seed(),
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
@@ -246,13 +247,12 @@ class TokenizerManager:
         """Compute the prompt (prefill only, cached) and pin its cached path: the pin's
         description (``pin_id``, ``tokens``, ``expires_in``); InvalidRequestError when refused."""
         params = SamplingParams.from_dict({"max_new_tokens": 0})
-        meta: dict[str, Any] = {}
+        result = None
         async for piece in self.generate(ids, params, hints=dataclasses.replace(hints, pin=True)):
-            meta = piece.meta
-        result = meta.get("pin") or {"error": "the scheduler did not pin the prompt"}
-        if "error" in result:
-            raise InvalidRequestError(result["error"])
-        return result
+            result = piece.meta.pin
+        if result is None or result.error is not None:
+            raise InvalidRequestError(result.error if result else "the scheduler did not pin the prompt")
+        return result.to_dict()
 
     async def control(self, command: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
         if self.dead_reason:
@@ -301,19 +301,16 @@ class TokenizerManager:
             state = self.states.get(key)
             if state is None or state.cut_off:
                 continue  # aborted by the client already
-            meta = dict(msg.meta[i])
-            since_first = meta.pop("since_first_token", 0.0) or 0.0
+            row = msg.meta[i]
             if state.first_token_at is None and msg.new_ids[i]:
-                state.first_token_at = now - since_first
+                state.first_token_at = now - row.since_first_token
             finished = msg.finished[i]
-            meta["id"] = state.rid
-            meta["finish_reason"] = finished
-            if "cache_report" in meta:
-                meta["cache_report"] = decode_divergence(self.tokenizer, meta["cache_report"])
-            if state.first_token_at is not None:
-                meta["ttft"] = state.first_token_at - state.created
-            if finished is not None:
-                meta["e2e_latency"] = now - state.created
+            meta = RequestMeta.of_row(
+                state.rid, row, finished,
+                ttft=None if state.first_token_at is None else state.first_token_at - state.created,
+                e2e_latency=None if finished is None else now - state.created)
+            if row.cache_report is not None:
+                meta.cache_report = CacheReport(**decode_divergence(self.tokenizer, row.cache_report.to_dict()))
             item = Piece(msg.text_deltas[i], msg.new_ids[i], meta, finished is not None)
             if msg.logprobs and msg.logprobs[i] is not None:
                 item.logprobs = msg.logprobs[i]

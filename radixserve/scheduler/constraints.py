@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.scheduler.request import FinishReason, Req
+from radixserve.ipc.messages import FinishReason
+from radixserve.scheduler.request import Req
 from radixserve.tokenizer import DeferredTokenizer
 from radixserve.transfer import Upload, resolve
 

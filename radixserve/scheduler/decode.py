@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from radixserve.ipc.messages import FinishReason
 from radixserve.scheduler.kv_manager import KVManager
-from radixserve.scheduler.request import FinishReason, Req, ReqState
+from radixserve.scheduler.request import Req, ReqState
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from radixserve.cache.radix_tree import RadixCache, TreeNode
+from radixserve.ipc.messages import PinResult
 
 
 @dataclass
@@ -44,25 +45,25 @@ class Pins:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, ids: np.ndarray, namespace: str, ttl: float | None) -> dict[str, Any]:
-        """Pin the cached path of ``ids``: ``{"pin_id", "tokens", ...}`` or ``{"error"}``."""
+    def pin(self, ids: np.ndarray, namespace: str, ttl: float | None) -> PinResult:
+        """Pin the cached path of ``ids``: the pin, or why none was made."""
         result = self.tree.match_prefix(ids, namespace)
         tokens = len(result.slots)
         if tokens == 0:
-            return {"error": "nothing of this prompt is cached (shorter than a page, or the cache is off)"}
+            return PinResult(error="nothing of this prompt is cached (shorter than a page, or the cache is off)")
         extra, node = 0, result.node
         while node.parent is not None:  # tokens of the path no pin holds yet
             extra += len(node.value) if node.pin_ref == 0 else 0
             node = node.parent
         if self.tree.pinned_size() + extra > self.cap_tokens:
-            return {"error": f"pinning {extra} more tokens would exceed the pinned-prefix cap of "
-                             f"{self.cap_tokens} tokens (--max-pinned-fraction); {self.tree.pinned_size()} "
-                             f"are pinned now"}
+            return PinResult(error=f"pinning {extra} more tokens would exceed the pinned-prefix cap of "
+                                   f"{self.cap_tokens} tokens (--max-pinned-fraction); "
+                                   f"{self.tree.pinned_size()} are pinned now")
         self.tree.pin(result.node)
         pin = Pin(f"pin-{next(self._ids)}", result.node, np.asarray(ids, dtype=np.int64).tobytes(), namespace,
                   tokens, None if ttl is None else time.monotonic() + ttl)
         self._pins[pin.pin_id] = pin
-        return pin.describe(time.monotonic())
+        return PinResult(**pin.describe(time.monotonic()))
 
     def unpin(self, pin_id: str | None = None, ids: list[int] | None = None, namespace: str = "") -> list[str]:
         """Drop the pin ``pin_id``, or every pin of exactly ``ids`` in ``namespace``; their ids."""

@@ -67,14 +67,21 @@ def _handle(sched: Any, msg: Any, send: zmq.Socket) -> None:
 def handle_frame(sched: Any, data: bytes, send: zmq.Socket) -> None:
     """One incoming frame, behind the process's exception boundary.
 
-    A frame that does not decode is logged and dropped; a message whose handling raises
-    (anything, not only ValueError) is logged with its traceback and answered where it can
-    be: a request with an ErrorOut (500), a control call with an ``error`` result.
+    A frame that does not decode is logged and dropped, except a request whose id can be
+    read, which is answered with an ErrorOut (400) saying what is wrong (a sampling value
+    its record refuses); a message whose handling raises (anything, not only ValueError) is
+    logged with its traceback and answered where it can be: a request with an ErrorOut (500),
+    a control call with an ``error`` result.
     """
     try:
         msg = m.decode(data)
     except Exception as e:  # ValueError: not JSON, or not a well-typed message
-        logger.error("dropped a malformed message: %s", e)
+        rid = m.request_id(data)
+        if rid is None:
+            logger.error("dropped a malformed message: %s", e)
+        else:
+            logger.warning("refused a malformed request %s: %s", rid, e)
+            send.send(m.encode(m.ErrorOut(rid=rid, message=str(e), status=400)))
         return
     try:
         _handle(sched, msg, send)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from radixserve.ipc.messages import FinishReason, PinResult
 from radixserve.validation import check_logprob_start_len
 
 if TYPE_CHECKING:
@@ -26,19 +27,6 @@ class ReqState(enum.Enum):
     PREFILLING = "prefilling"  # admitted, prompt partly computed (chunked prefill)
     RUNNING = "running"  # prompt computed, decoding one token per step
     FINISHED = "finished"
-
-
-@dataclass
-class FinishReason:
-    type: str  # "stop" | "length" | "abort"
-    matched: int | str | None = None
-    length: int | None = None  # "length": the output's length when it stopped (SGLang reports it)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"type": self.type, "matched": self.matched}
-        if self.type == "length":
-            d["length"] = self.length
-        return d
 
 
 class Req:
@@ -84,7 +72,7 @@ class Req:
         self.priority = priority  # the ``priority`` policy's level (see scheduler/policy.py)
         self.pin = False  # pin the cached prompt when finished (scheduler/pins.py)
         self.pin_ttl: float | None = None
-        self.pin_result: dict[str, Any] | None = None
+        self.pin_result: PinResult | None = None
         self.output_ids: list[int] = []
         # prompt + output ids in one growable int64 buffer: tree keys and model inputs are
         # views of it (no list concatenation per step); see ``tokens`` / ``append_output``.

@@ -17,8 +17,16 @@ from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.cache.tiers import TierManager
 from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
-from radixserve.ipc.messages import ErrorOut, GenerateReq, TokenOut
-from radixserve.sampling import SampleOutput, SamplingParams
+from radixserve.ipc.messages import (
+    CacheReport,
+    DetokSettings,
+    ErrorOut,
+    FinishReason,
+    GenerateReq,
+    ReqMeta,
+    TokenOut,
+)
+from radixserve.sampling import SampleOutput
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
 from radixserve.scheduler.constraints import Constraints
 from radixserve.scheduler.decode import reserve_decode_slots, retract
@@ -28,7 +36,7 @@ from radixserve.scheduler.pins import Pins
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.profiling import StepProfiler
 from radixserve.scheduler.prompt_logprobs import attach_prompt_logprobs
-from radixserve.scheduler.request import FinishReason, PromptLogprobs, Req, ReqState
+from radixserve.scheduler.request import PromptLogprobs, Req, ReqState
 from radixserve.scheduler.speculative import NgramSpeculator, num_drafts
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker
@@ -177,7 +185,7 @@ class Scheduler:
             if msg.rid in self.reqs:
                 raise ValueError(f"request id {msg.rid!r} is already in use")
             ids = check_input_ids(msg.input_ids, self.vocab_size, self.context_len, self.pool_tokens)
-            params = SamplingParams.from_dict(msg.sampling_params)
+            params = msg.sampling_params  # checked as it was decoded
             params.validate_for_model(self.vocab_size)
             prompt_lp = PromptLogprobs.for_request(
                 msg.return_logprob, msg.logprob_start_len, len(ids), msg.top_logprobs_num
@@ -545,34 +553,24 @@ class Scheduler:
             out.rids.append(req.rid)
             out.new_ids.append(req.output_ids[req.sent_len :])
             req.sent_len = req.output_len
-            out.finished.append(req.finish_reason.to_dict() if req.finish_reason else None)
-            out.meta.append(
-                {
-                    "prompt_tokens": req.prompt_len,
-                    "cached_tokens": req.cached_tokens or 0,
-                    "completion_tokens": req.output_len,
-                    "queue_time": req.queue_time,
-                    # Lets the front end place the first token in time when it receives
-                    # several at once (non-streaming requests, stream_interval > 1).
-                    "since_first_token": now - req.first_token_time if req.first_token_time else 0.0,
-                }
-                | ({"pin": req.pin_result} if req.pin_result is not None else {})
-                | ({"cached_tokens_details": req.cached_by_tier} if req.cached_by_tier else {})
-                | ({"cache_report": self._cache_report(req)} if req.return_cache_report else {})
-                | (req.spec.meta(req.output_len) if req.spec is not None else {})
-            )
+            out.finished.append(req.finish_reason)
+            out.meta.append(ReqMeta(
+                prompt_tokens=req.prompt_len,
+                cached_tokens=req.cached_tokens or 0,
+                completion_tokens=req.output_len,
+                queue_time=req.queue_time,
+                since_first_token=now - req.first_token_time if req.first_token_time else 0.0,
+                pin=req.pin_result,
+                cached_tokens_details=req.cached_by_tier or None,
+                cache_report=self._cache_report(req) if req.return_cache_report else None,
+                spec=(req.spec.meta(req.output_len) if req.spec is not None else None) or None,
+            ))
             if req.sent_init:
                 out.init.append(None)
             else:
                 req.sent_init = True
                 p = req.params
-                out.init.append(
-                    {
-                        "stop": p.stop,
-                        "skip_special_tokens": p.skip_special_tokens,
-                        "no_stop_trim": p.no_stop_trim,
-                    }
-                )
+                out.init.append(DetokSettings(p.stop, p.skip_special_tokens, p.no_stop_trim))
             out.logprobs.append(req.pending_logprobs if req.return_logprob else None)
             out.top_logprobs.append(req.pending_top_logprobs if req.return_logprob else None)
             attach_prompt_logprobs(out, req)
@@ -582,11 +580,10 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _cache_report(req: Req) -> dict[str, Any]:
-        report: dict[str, Any] = {"cached_tokens": req.cached_tokens or 0}
-        if req.divergence is not None:
-            report.update(req.divergence.to_dict())
-        return report
+    def _cache_report(req: Req) -> CacheReport:
+        if req.divergence is None:
+            return CacheReport(req.cached_tokens or 0)
+        return CacheReport(req.cached_tokens or 0, **req.divergence.to_dict())
 
     # ---- control -----------------------------------------------------------------------
     def live_requests(self) -> list[Req]:

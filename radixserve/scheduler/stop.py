@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.scheduler.request import FinishReason, Req
+from radixserve.ipc.messages import FinishReason
+from radixserve.scheduler.request import Req
 
 
 class StopChecker:

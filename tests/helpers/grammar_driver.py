@@ -12,17 +12,35 @@ from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
+import orjson
 import torch
 
-from radixserve.ipc.messages import ErrorOut, GenerateReq
+from helpers.sched_driver import finish_dict, meta_dict
+from radixserve.ipc.messages import ErrorOut, GenerateReq, decode
+from radixserve.scheduler.process import handle_frame
 
 _rid = itertools.count()
 
 
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
 def add(sched: Any, prompt: list[int], seed: int = 0, **params: Any) -> tuple[str, ErrorOut | None]:
+    """Send a request as the front end does (a frame); its ErrorOut, if it was refused."""
     rid = f"g{next(_rid)}"
     params.setdefault("temperature", 0.0)
-    return rid, sched.add_request(GenerateReq(rid=rid, input_ids=prompt, sampling_params=params, seed=seed))
+    frame = orjson.dumps({"type": GenerateReq.TYPE, "rid": rid, "input_ids": prompt, "sampling_params": params,
+                          "seed": seed}, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    out = _Outbox()
+    handle_frame(sched, frame, out)
+    replies = [decode(data) for data in out.sent]
+    assert all(isinstance(r, ErrorOut) for r in replies) and len(replies) <= 1, replies
+    return rid, replies[0] if replies else None
 
 
 def submit(sched: Any, prompt: list[int], seed: int = 0, **params: Any) -> str:
@@ -52,8 +70,7 @@ def drive(sched: Any, on_step: Any = None, max_steps: int = 20_000) -> dict[str,
                 r = results.setdefault(rid, {"output_ids": [], "finished": None, "meta": None})
                 assert "error" not in r and r["finished"] is None, f"{rid} answered after its end"
                 r["output_ids"].extend(out.new_ids[i])
-                r["finished"] = out.finished[i]
-                r["meta"] = out.meta[i]
+                r["finished"], r["meta"] = finish_dict(out.finished[i]), meta_dict(out.meta[i])
         if on_step is not None:
             on_step(step, sched)
     else:

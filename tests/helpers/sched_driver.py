@@ -10,11 +10,24 @@ from typing import Any
 import torch
 
 from radixserve.config import ServerArgs
-from radixserve.ipc.messages import GenerateReq
+from radixserve.ipc.messages import FinishReason, GenerateReq, ReqMeta
 from radixserve.model.loader import load_model
+from radixserve.runtime.pieces import RequestMeta
+from radixserve.sampling import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 
 _rid = itertools.count()
+
+
+def finish_dict(finished: FinishReason | None) -> dict[str, Any] | None:
+    """A row's finish reason as the client reads it (``meta_info.finish_reason``)."""
+    return None if finished is None else finished.to_dict()
+
+
+def meta_dict(meta: ReqMeta) -> dict[str, Any]:
+    """A row's request description as the client reads it (``meta_info``: the counts, and what
+    the request asked for, ``pin``, ``cache_report``, ... when set)."""
+    return RequestMeta.of_row("", meta, None).info()
 
 
 def make_scheduler(folder: str, tokenizer: Any = None, **settings: Any) -> Scheduler:
@@ -30,8 +43,8 @@ def submit(sched: Scheduler, prompt: list[int], req_fields: dict[str, Any] | Non
     :class:`GenerateReq` fields in ``req_fields``; returns its rid."""
     rid = f"r{next(_rid)}"
     params.setdefault("temperature", 0.0)
-    err = sched.add_request(GenerateReq(rid=rid, input_ids=prompt, sampling_params=params, seed=0,
-                                        **(req_fields or {})))
+    err = sched.add_request(GenerateReq(rid=rid, input_ids=prompt, sampling_params=SamplingParams.from_dict(params),
+                                        seed=0, **(req_fields or {})))
     if err is not None:
         raise ValueError(err.message)
     return rid
@@ -66,8 +79,7 @@ def run_until_idle(sched: Scheduler, max_steps: int = 10_000, on_step: Any = Non
                 r = results.setdefault(rid, {"output_ids": [], "finished": None, "meta": None,
                                              "input": None, "input_top": None, "deliveries": 0})
                 r["output_ids"].extend(out.new_ids[i])
-                r["finished"] = out.finished[i]
-                r["meta"] = out.meta[i]
+                r["finished"], r["meta"] = finish_dict(out.finished[i]), meta_dict(out.meta[i])
                 if out.input_logprobs[i] is not None:
                     r["deliveries"] += 1
                     r["input"], r["input_top"] = out.input_logprobs[i], out.input_top_logprobs[i]
