@@ -35,6 +35,7 @@ if str(REPO) not in sys.path:  # run as a script from a source checkout
 
 from bench.common import align_columns, write_report  # noqa: E402
 from radixserve.cache.radix_tree import RadixCache  # noqa: E402
+from radixserve.cache.tree_check import check_tree  # noqa: E402
 
 OPS = ("match", "insert", "evict")
 Tokens = list[int] | np.ndarray
@@ -114,7 +115,7 @@ def run_scenario(
         free += max(in_tree - cached_len, 0) + (len(full) - aligned)
         tree.dec_lock_ref(match.node)
 
-    tree.check_invariants()
+    check_tree(tree)
     if tree.protected_size() != 0:
         raise RuntimeError("locks left after the trace")
     if free + tree.total_size() != pool_size:

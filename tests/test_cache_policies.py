@@ -9,7 +9,7 @@ import pytest
 from helpers.oracle import hf_greedy
 from helpers.sched_driver import make_scheduler, run_until_idle, submit
 
-from radixserve.cache.radix_tree import EVICTION_POLICIES
+from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.scheduler.policy import POLICIES
 
 

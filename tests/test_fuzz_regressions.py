@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.frontend.protocol import GenerateRequest
+from radixserve.frontend.native_protocol import GenerateRequest
 from radixserve.sampling import SamplingParams
 from radixserve.sampling.params import SGLANG_ONLY_FIELDS, sampling_params_json_schema
 

@@ -320,7 +320,8 @@ META = {"prompt_tokens": 3, "cached_tokens": 1, "completion_tokens": 0, "queue_t
     ({"type": "str_out", "rids": ["a"], "text_deltas": ["x"], "new_ids": [[1]], "finished": [None], "meta": [{}],
       "top_logprobs": [[[[1, 0.5], [2, "x"]]]]}, "'top_logprobs'[0][0][1][1]: expected a number, got str"),
     ({"type": ["token_out"]}, "unknown message type"),
-    ({"type": "control", "cid": "c"}, "expected ['args', 'cid', 'command']"),
+    ({"type": "control", "cid": "c"}, "expected ['cid', 'command']"),
+    ({"type": "unpin", "cid": "c", "input_ids": [1, "2"]}, "'input_ids'[1]: expected an integer, got str"),
 ])
 def test_wrong_types_are_named(payload: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=None) as e:

@@ -22,14 +22,10 @@ from hypothesis.stateful import (
 )
 
 from radixserve.cache.allocator import PageAllocator
-from radixserve.cache.radix_tree import (
-    DEVICE,
-    EVICTION_POLICIES,
-    HOST,
-    SLRU_PROTECT_HITS,
-    RadixCache,
-    TreeNode,
-)
+from radixserve.cache.eviction import EVICTION_POLICIES, SLRU_PROTECT_HITS
+from radixserve.cache.radix_tree import RadixCache
+from radixserve.cache.tree_check import check_tree, tree_text
+from radixserve.cache.tree_node import DEVICE, HOST, TreeNode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,7 +74,7 @@ def test_empty_tree_matches_nothing():
     assert len(result.slots) == 0 and result.slots.dtype == np.int64
     assert result.node is tree.root
     assert tree.total_size() == 0
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_insert_returns_already_present_length():
@@ -91,7 +87,7 @@ def test_insert_returns_already_present_length():
     np.testing.assert_array_equal(tree.match_prefix([1, 2, 3, 4, 5, 6]).slots, [0, 1, 2, 3, 14, 15])
     np.testing.assert_array_equal(tree.match_prefix([1, 2, 9]).slots, [0, 1, 22])
     assert tree.total_size() == 7
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_match_splits_node_where_match_ends():
@@ -107,7 +103,7 @@ def test_match_splits_node_where_match_ends():
     # A match that ends exactly at the end of the key also splits.
     result = tree.match_prefix([1, 2])
     assert result.node.key.tolist() == [1, 2] and path_len(result.node) == 2
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_match_returns_node_at_end_of_full_match():
@@ -141,7 +137,7 @@ def test_pages_align_keys_and_splits(page_size):
     assert set(first.children) == {tuple(key[p : 2 * p]), tuple(other[p : 2 * p])}
     for node in (first, *first.children.values()):
         assert len(node) % p == 0
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_page_size_one_children_keyed_by_token():
@@ -196,7 +192,7 @@ def test_lock_moves_sizes_between_evictable_and_protected():
     tree.dec_lock_ref(node)
     assert (tree.evictable_size(), tree.protected_size()) == (5, 0)
     assert tree.total_size() == 5
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_lock_root_is_noop():
@@ -216,7 +212,7 @@ def test_dec_lock_ref_below_zero_raises():
     tree.dec_lock_ref(node)
     with pytest.raises(RuntimeError):
         tree.dec_lock_ref(node)
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_evict_is_lru():
@@ -230,7 +226,7 @@ def test_evict_is_lru():
     assert tree.evict(2) == 2
     assert pool.freed[-1].tolist() == [30, 31]
     assert tree.match_prefix([1, 1]).slots.tolist() == [10, 11]
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_evict_order_follows_last_use():
@@ -267,7 +263,7 @@ def test_locked_path_never_evicted():
     tree.dec_lock_ref(node)
     assert tree.evict(100) == 3
     assert tree.total_size() == 0 and not tree.root.children
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_parent_becomes_evictable_after_children():
@@ -280,7 +276,7 @@ def test_parent_becomes_evictable_after_children():
     assert tree.evict(1) == 2  # [1, 2] is a leaf now
     assert pool.freed_slots() == [0, 1, 2, 12]  # the tree kept its own [0, 1] for [1, 2]
     assert tree.total_size() == 0
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_evict_frees_at_least_requested_in_whole_pages():
@@ -290,7 +286,7 @@ def test_evict_frees_at_least_requested_in_whole_pages():
     assert tree.evict(9) == 16
     assert all(len(arr) % 4 == 0 for arr in pool.freed)
     assert tree.evict(0) == 0
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_evict_after_many_touches_keeps_heap_bounded():
@@ -300,7 +296,7 @@ def test_evict_after_many_touches_keeps_heap_bounded():
     for _ in range(1000):
         tree.match_prefix([3, 3])
     assert len(tree._heap) <= 2 * 10 + 64 + 1
-    tree.check_invariants()
+    check_tree(tree)
     assert tree.evict(20) == 20
 
 
@@ -311,7 +307,7 @@ def test_disable():
     assert len(result.slots) == 0 and result.node is tree.root
     assert tree.total_size() == 0 and tree.evict(10) == 0
     assert len(tree.all_slots()) == 0 and not pool.freed
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_reset_drops_everything_without_freeing():
@@ -322,7 +318,7 @@ def test_reset_drops_everything_without_freeing():
     assert tree.total_size() == 0 and len(tree.all_slots()) == 0
     assert not pool.freed
     assert tree.evict(10) == 0
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_all_slots_and_pretty():
@@ -330,7 +326,7 @@ def test_all_slots_and_pretty():
     tree.insert([1, 2, 3], np.array([7, 8, 9]))
     tree.insert([1, 5], np.array([7, 4]))
     assert sorted(tree.all_slots().tolist()) == [4, 7, 8, 9]
-    text = tree.pretty()
+    text = tree_text(tree)
     assert "[1]" in text and "[2, 3]" in text and "[5]" in text
 
 
@@ -341,12 +337,12 @@ def test_check_invariants_detects_corruption():
     node = tree.match_prefix([1, 2, 3]).node
     node.lock_ref = 1  # without the ancestors and the size counters
     with pytest.raises(RuntimeError):
-        tree.check_invariants()
+        check_tree(tree)
     node.lock_ref = 0
-    tree.check_invariants()
+    check_tree(tree)
     node.value = np.array([0], dtype=np.int64)  # duplicate of the parent's first slot
     with pytest.raises(RuntimeError, match="two tree positions"):
-        tree.check_invariants()
+        check_tree(tree)
 
 
 def test_slru_evicts_one_off_prompts_before_a_prefix_hit_twice():
@@ -392,7 +388,7 @@ def test_namespaces_never_share_and_empty_ones_are_dropped():
     assert tree.insert([1, 2, 3], np.array([20, 21, 22]), "tenant-a") == 0  # its own copy
     assert tree.match_prefix([1, 2, 3], "tenant-a").slots.tolist() == [20, 21, 22]
     assert tree.match_prefix([1, 2, 3]).slots.tolist() == [10, 11, 12]
-    tree.check_invariants()
+    check_tree(tree)
     assert tree.evict(6) == 6
     assert set(tree._roots) == {""}
 
@@ -411,7 +407,7 @@ def test_pins_hold_their_path_and_count_once():
     tree.unpin(short_node)
     with pytest.raises(RuntimeError):
         tree.unpin(short_node)
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_unknown_eviction_policy_is_refused():
@@ -588,7 +584,7 @@ class RadixModel(RuleBasedStateMachine):
     def consistent(self) -> None:
         if not hasattr(self, "tree"):
             return
-        self.tree.check_invariants()
+        check_tree(self.tree)
         assert self.tree.protected_size() == self.p * len(self.held_pages(self.locks + self.pins))
         assert self.tree.pinned_size() == self.p * len(self.held_pages(self.pins))
         assert self.tree.total_size() == self.p * len(self.pages)
@@ -736,7 +732,7 @@ class TwoTier:
         host node; every used page of each tier is held exactly once (the tree, or ``held``
         for device pages of requests), every other page is free."""
         tree = self.tree
-        tree.check_invariants()
+        check_tree(tree)
         for ns, root in tree._roots.items():
             stack = [(child, ()) for child in root.children.values()]
             while stack:

@@ -17,8 +17,9 @@ from pydantic import BaseModel, ValidationError
 from radixserve.chat.parsers import ContentDelta, ReasoningDelta, ToolCallStart
 from radixserve.frontend.chat_api import _hold_reasoning
 from radixserve.frontend.errors import _describe_validation
+from radixserve.frontend.native_protocol import GenerateRequest
 from radixserve.frontend.openai_common import choice_rids
-from radixserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.frontend.sglang_fields import SGLANG_FIELDS, SGLangField
 from radixserve.sampling import SamplingParams
 

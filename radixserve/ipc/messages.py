@@ -232,13 +232,47 @@ class AbortReq:
 
 @message("control")
 class ControlReq:
-    """``command``: ``stats`` | ``flush_cache`` | ``check_memory`` | ``start_profile`` |
-    ``stop_profile`` | ``pins`` | ``unpin`` | ``cache_tree`` | ``cache_misses``; answered by
-    ControlOut."""
+    """A control command without arguments (the scheduler's registry, ``scheduler/control.py``,
+    names them: ``stats``, ``flush_cache``, ``check_memory``, ``pins``, ``cache_misses``,
+    ``start_profile``, ``stop_profile``); every control message is answered by a ControlOut."""
 
     cid: str
     command: str
-    args: dict[str, Any] = field(default_factory=dict)  # ``unpin``: pin_id or input_ids + extra_key
+
+
+@message("unpin")
+class UnpinReq:
+    """Drop the pin ``pin_id``, or every pin of exactly ``input_ids`` in the namespace ``extra_key``."""
+
+    cid: str
+    pin_id: str | None = None
+    input_ids: list[int] | None = None
+    extra_key: str = ""
+
+
+@message("cache_tree")
+class CacheTreeReq:
+    """The cache tree's summary rows (``cache/tree_view.py``): ``sort`` order, ``depth`` (None:
+    all levels) and at most ``limit`` rows."""
+
+    cid: str
+    sort: str = "weight"
+    depth: int | None = None
+    limit: int = 50
+
+
+# Control commands with arguments: their messages.
+CONTROL_WITH_ARGS: dict[str, type] = {"unpin": UnpinReq, "cache_tree": CacheTreeReq}
+
+
+def control_request(cid: str, command: str, **args: Any) -> Any:
+    """The message of one control call (TypeError for arguments the command does not take)."""
+    cls = CONTROL_WITH_ARGS.get(command)
+    if cls is None:
+        if args:
+            raise TypeError(f"the control command {command!r} takes no arguments, got {sorted(args)}")
+        return ControlReq(cid=cid, command=command)
+    return cls(cid=cid, **args)
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer

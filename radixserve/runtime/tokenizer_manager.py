@@ -261,7 +261,7 @@ class TokenizerManager:
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[cid] = fut
         try:
-            await self.send_sock.send(m.encode(m.ControlReq(cid=cid, command=command, args=args)))
+            await self.send_sock.send(m.encode(m.control_request(cid, command, **args)))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.control_waiters.pop(cid, None)

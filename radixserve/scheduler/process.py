@@ -12,10 +12,10 @@ from typing import Any
 
 import zmq
 
-from radixserve.cache.tree_view import summary_rows
 from radixserve.config import ServerArgs
 from radixserve.distributed import TensorParallelError
 from radixserve.ipc import messages as m
+from radixserve.scheduler.control import CONTROL_MESSAGES, run_control
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0
@@ -28,38 +28,8 @@ def _handle(sched: Any, msg: Any, send: zmq.Socket) -> None:
             send.send(m.encode(err))
     elif isinstance(msg, m.AbortReq):
         sched.abort(msg.rid)
-    elif isinstance(msg, m.ControlReq):
-        if msg.command == "stats":
-            result: dict[str, Any] = sched.get_stats()
-        elif msg.command == "flush_cache":
-            result = {"success": sched.flush_cache()}
-        elif msg.command == "check_memory":
-            try:
-                result = {"ok": True, **sched.check_memory()}
-            except RuntimeError as e:
-                result = {"ok": False, "error": str(e)}
-        elif msg.command == "pins":
-            result = {"pins": sched.pins.listing(), "pinned_tokens": sched.tree.pinned_size(),
-                      "cap_tokens": sched.pins.cap_tokens}
-        elif msg.command == "unpin":
-            result = {"unpinned": sched.pins.unpin(msg.args.get("pin_id"), msg.args.get("input_ids"),
-                                                   msg.args.get("extra_key") or "")}
-        elif msg.command == "cache_tree":
-            try:
-                result = summary_rows(sched.tree, msg.args.get("sort", "weight"), msg.args.get("depth"),
-                                 msg.args.get("limit", 50))
-            except ValueError as e:
-                result = {"error": str(e)}
-        elif msg.command == "cache_misses":
-            result = {"near_misses": list(sched.near_misses), "total": sched.stats.near_misses}
-        elif msg.command in ("start_profile", "stop_profile"):
-            try:
-                result = sched.start_profile() if msg.command == "start_profile" else sched.stop_profile()
-            except RuntimeError as e:  # started twice, or stopped without a start
-                result = {"error": str(e)}
-        else:
-            result = {"error": f"unknown control command {msg.command!r}"}
-        send.send(m.encode(m.ControlOut(cid=msg.cid, result=result)))
+    elif isinstance(msg, CONTROL_MESSAGES):
+        send.send(m.encode(m.ControlOut(cid=msg.cid, result=run_control(sched, msg))))
     else:
         logger.error("scheduler got an unexpected message %r", type(msg).__name__)
 
@@ -91,7 +61,7 @@ def handle_frame(sched: Any, data: bytes, send: zmq.Socket) -> None:
         if isinstance(msg, m.GenerateReq):
             sched.drop(msg.rid)
             send.send(m.encode(m.ErrorOut(rid=msg.rid, message=reason, status=500)))
-        elif isinstance(msg, m.ControlReq):
+        elif isinstance(msg, CONTROL_MESSAGES):
             send.send(m.encode(m.ControlOut(cid=msg.cid, result={"error": reason})))
 
 

@@ -1,45 +1,32 @@
-"""The scheduler: request queue, admission, decode bookkeeping and the step loop (no I/O)."""
+"""The scheduler: request queue, admission, decode bookkeeping and the step loop (no I/O).
+Beside it: its KV memory (``memory.py``), what a step sends (``output.py``), sampled tokens
+taken into outputs (``taker.py``), the control commands (``control.py``)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import time
 from collections import deque
 from typing import Any
 
 import torch
 
-from radixserve.cache.allocator import PageAllocator
-from radixserve.cache.kv_pool import KVPool, kv_bytes_per_token
-from radixserve.cache.radix_tree import RadixCache
-from radixserve.cache.req_to_token import ReqToTokenPool
-from radixserve.cache.tiers import TierManager
-from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
-from radixserve.ipc.messages import (
-    CacheReport,
-    DetokSettings,
-    ErrorOut,
-    FinishReason,
-    GenerateReq,
-    ReqMeta,
-    TokenOut,
-)
-from radixserve.sampling import SampleOutput
+from radixserve.config import ServerArgs
+from radixserve.ipc.messages import ErrorOut, FinishReason, GenerateReq, TokenOut
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
 from radixserve.scheduler.constraints import Constraints
+from radixserve.scheduler.control import SchedulerControl
 from radixserve.scheduler.decode import reserve_decode_slots, retract
-from radixserve.scheduler.kv_manager import KVManager
+from radixserve.scheduler.memory import KVMemory
 from radixserve.scheduler.model_runner import ModelRunner
-from radixserve.scheduler.pins import Pins
+from radixserve.scheduler.output import rows_to_send, token_out
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.profiling import StepProfiler
-from radixserve.scheduler.prompt_logprobs import attach_prompt_logprobs
 from radixserve.scheduler.request import PromptLogprobs, Req, ReqState
 from radixserve.scheduler.speculative import NgramSpeculator, num_drafts
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker
+from radixserve.scheduler.taker import TokenTaker
 from radixserve.validation import check_input_ids
 
 logger = logging.getLogger(__name__)
@@ -47,30 +34,10 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-MAX_AUTO_POOL_TOKENS = 1 << 17
 NEAR_MISS_RING = 64  # recent near-misses kept for /cache/misses
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A cheap hash of the weights (a few values of every tensor): a disk KV tier written by
-    other weights under the same name is not read."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, p in model.state_dict().items():
-        h.update(name.encode() + str(tuple(p.shape)).encode())
-        h.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-def auto_pool_tokens(bytes_per_token: int, fraction: float, device: torch.device) -> int:
-    """KV pool size from free memory when ``max_total_tokens`` is not given."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(1024, min(MAX_AUTO_POOL_TOKENS, int(free * fraction) // bytes_per_token))
-
-
-class Scheduler:
+class Scheduler(SchedulerControl):
     def __init__(self, args: ServerArgs, model: torch.nn.Module, model_config: Any, tokenizer: Any | None) -> None:
         self.args = args
         self.model_config = model_config
@@ -80,28 +47,12 @@ class Scheduler:
         self.context_len = args.context_length or model_config.max_context_len
         self.vocab_size = model_config.vocab_size
 
-        # This rank's KV heads (all of them without tensor parallelism).  Ranks on one CPU share
-        # its memory: the pool is sized for all of them.
-        kv_heads = getattr(model, "num_local_kv_heads", model_config.num_kv_heads)
-        head_dim, layers = model_config.head_dim, model_config.num_layers
-        ranks_per_memory = args.tp_size if self.device.type == "cpu" else 1
-        token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, self.dtype, args.kv_cache_dtype)
-        pool_tokens = args.max_total_tokens or auto_pool_tokens(
-            token_bytes * ranks_per_memory, args.kv_cache_memory_fraction, self.device)
-        num_pages = max(1, pool_tokens // self.page_size)
-        self.pool_tokens = num_pages * self.page_size
-        self.max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-
-        self.allocator = PageAllocator(num_pages, self.page_size)
-        self.req_pool = ReqToTokenPool(self.max_running, self.context_len + self.page_size, self.device)
-        self.tree = RadixCache(self.page_size, self.allocator.free_slots, disable=args.disable_radix_cache,
-                               eviction_policy=args.radix_eviction_policy)
-        kv_pool = KVPool(self.allocator.num_slots, layers, kv_heads, head_dim, self.dtype, self.device,
-                         kv_cache_dtype=args.kv_cache_dtype)
-        self.tiers = self._make_tiers(kv_pool, model)
-        self.kv = KVManager(self.allocator, self.req_pool, self.tree, self.tiers,
-                            swap=args.preemption_mode == "swap")
-        self.pins = Pins(self.tree, int(args.max_pinned_fraction * self.pool_tokens))
+        mem = KVMemory.build(args, model, model_config, self.device, self.dtype)
+        self.pool_tokens = mem.pool_tokens
+        self.max_running = mem.max_running
+        self.allocator, self.req_pool, self.tree = mem.allocator, mem.req_pool, mem.tree
+        self.tiers, self.kv, self.pins = mem.tiers, mem.kv, mem.pins
+        kv_pool = mem.kv_pool
         self.policy = SchedulePolicy(args.schedule_policy, args.schedule_policy_max_queue, seed=args.random_seed,
                                      low_priority_values_first=args.schedule_low_priority_values_first,
                                      preemption=args.priority_preemption)
@@ -133,6 +84,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
         self.profiler = StepProfiler(self.stats)
+        self.taker = TokenTaker(self.stop_checker, self.constraints, self.spec, self.kv, self.stats, self.context_len)
         self._admit_counter = 0
         self._step_counter = 0
         self._errors: list[ErrorOut] = []
@@ -146,39 +98,7 @@ class Scheduler:
         self.stop_checker.tokenizer = decoder
         self.constraints.attach_tokenizer(tokenizer)
 
-    def _make_tiers(self, kv_pool: KVPool, model: torch.nn.Module) -> TierManager | None:
-        """The host and disk KV tiers the settings ask for (None: neither)."""
-        args = self.args
-        host = args.host_cache_size
-        if args.preemption_mode == "swap" and not host:
-            host = 2 * self.pool_tokens  # swapping needs somewhere to go
-        if not host and not args.disk_cache_dir:
-            return None
-        identity = {"model": args.model or "default", "config": repr(self.model_config),
-                    "weights": weights_fingerprint(model), "quantization": args.quantization}
-        tiers = TierManager(kv_pool, self.page_size, host, args.disk_cache_dir, args.disk_cache_size, identity)
-        tiers.attach(self.tree)
-        return tiers
-
     # ---- requests in -------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
-        return {
-            "vocab_size": self.vocab_size,
-            "context_length": self.context_len,
-            "max_total_tokens": self.pool_tokens,
-            "max_running_requests": self.max_running,
-            "page_size": self.page_size,
-            "eos_token_ids": sorted(self.stop_checker.eos_token_ids),
-            "dtype": self.args.dtype,
-            "kv_cache_dtype": self.runner.kv_pool.kv_cache_dtype,
-            "kv_cache_bytes_per_token": self.runner.kv_pool.bytes_per_token,
-            "device": self.args.device,
-            "attention_backend": self.args.attention_backend,
-            "tp_size": self.args.tp_size,
-            "quantization": self.args.quantization,
-            "speculative_algorithm": self.args.speculative_algorithm,
-        }
-
     def add_request(self, msg: GenerateReq) -> ErrorOut | None:
         """Queue a request; a request that fails validation is answered with an ErrorOut."""
         try:
@@ -341,7 +261,10 @@ class Scheduler:
                     MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
                 )
         self.stats.evicted_tokens = self.kv.evicted_tokens
-        out = self._collect_output(finished)
+        rows = rows_to_send(finished, self.running, self._step_counter % self.args.stream_interval == 0)
+        out = token_out(rows) if rows else None
+        for req in finished:
+            self.reqs.pop(req.rid, None)
         if entries:
             step_s = time.perf_counter() - t_start
             self.stats.record_step(len(entries), not plan, step_s, self._last_forward_s,
@@ -391,21 +314,13 @@ class Scheduler:
                     self.stats.prompt_tokens += req.prompt_len
                     self.stats.cached_tokens += req.cached_tokens or 0
                     if req.divergence is not None and req.divergence.near_miss:
-                        self._near_miss(req)
+                        self.record_near_miss(req)
                     if self.tiers is not None and req.cached_by_tier:
                         for tier, n in req.cached_by_tier.items():
                             self.tiers.stats.cached_tokens[tier] += n
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return adder.plan.entries
-
-    def _near_miss(self, req: Req) -> None:
-        """Its match stopped inside a long cached sequence: keep the spot for people to see
-        (``/cache/misses``; a re-rendered chat history is the usual cause)."""
-        assert req.divergence is not None
-        self.stats.near_misses += 1
-        self.near_misses.append({"rid": req.rid, "time": time.time(), "salted": bool(req.extra_key),
-                                 "prompt_tokens": req.prompt_len, **req.divergence.to_dict()})
 
     def _run_forward(self, entries: list[tuple[Req, int]], has_prefill: bool, finished: list[Req]) -> None:
         t0 = time.perf_counter()
@@ -448,7 +363,7 @@ class Scheduler:
             row = 0
             for req in sample_reqs:
                 k = num_drafts(req)
-                self._take_sampled(req, out, row, k)
+                self.taker.take(req, out, row, k)
                 row += k + 1
 
         sampled = {id(r) for r in sample_reqs}
@@ -470,60 +385,6 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req, finished)
 
-    def _take_sampled(self, req: Req, out: SampleOutput, row: int, k: int) -> None:
-        """Append what the rows ``[row, row + k + 1)`` sampled for ``req``: without drafts its
-        one token; with k drafts the accepted ones and the token after them, up to a stop."""
-        tokens = out.next_token_ids[row : row + k + 1]
-        accepted = self.spec.accept(req, tokens) if self.spec is not None and req.spec is not None else 0
-        new = tokens[: accepted + 1] if k else tokens
-        taken = 0
-        for j, token in enumerate(new):
-            req.append_output(token)
-            taken += 1
-            self.stats.generation_tokens += 1
-            if req.return_logprob and out.logprobs is not None:
-                req.pending_logprobs.append(out.logprobs[row + j])
-                req.pending_top_logprobs.append(
-                    [[t, lp] for t, lp in out.top_logprobs[row + j]] if out.top_logprobs else []
-                )
-            req.finish_reason = self.stop_checker.check(req)
-            if req.grammar is not None and req.finish_reason is None:
-                # Text the grammar forces is appended after the last token only: the accepted
-                # drafts before it are tokens the grammar allowed.
-                self._advance_grammar(req, jump=j == len(new) - 1)
-            if req.finished:
-                break
-        if self.spec is not None and req.spec is not None and req.state == ReqState.RUNNING:
-            kept = min(taken, accepted)  # accepted drafts that became output: their KV is kept
-            req.computed_len += kept
-            self.spec.record(req, kept)
-            if not req.finished:
-                self.kv.trim(req)
-
-    def _advance_grammar(self, req: Req, jump: bool = True) -> None:
-        """Accept the sampled token; finish when the grammar is done, else (with ``jump``)
-        append the text it forces (computed by the next forward as part of this request's
-        decode entry)."""
-        reason, forced = self.constraints.after_token(req)
-        if reason is not None:
-            req.finish_reason = reason
-            return
-        if not jump:
-            return
-        room = min(req.params.max_new_tokens - req.output_len, self.context_len - req.fill_len - 1)
-        forced = forced[: max(0, room)]
-        # A stop token id inside the forced text ends the output there, as it would have if
-        # the model had been made to sample it (the stop checker looks at the newest token).
-        stop_at = [i for i, t in enumerate(forced) if t in req.params.stop_token_ids]
-        if stop_at:
-            forced = forced[: stop_at[0] + 1]
-        if not forced:
-            return
-        for t in forced:
-            req.append_output(t)
-        self.constraints.accept_forced(req, forced)
-        req.finish_reason = self.stop_checker.check(req, new_tokens=len(forced))
-
     def _drop_from_lists(self, req: Req) -> None:
         if self.chunked is req:
             self.chunked = None
@@ -537,105 +398,3 @@ class Scheduler:
         req.state = ReqState.FINISHED
         self.stats.requests_finished += 1
         finished.append(req)
-
-    # ---- requests out ------------------------------------------------------------------
-    def _collect_output(self, finished: list[Req]) -> TokenOut | None:
-        rows: list[Req] = list(finished)
-        if self._step_counter % self.args.stream_interval == 0:
-            rows += [
-                r for r in self.running if r.stream and r.output_len > r.sent_len and not r.finished
-            ]
-        if not rows:
-            return None
-        out = TokenOut(rids=[], new_ids=[], finished=[], meta=[], init=[], logprobs=[], top_logprobs=[])
-        now = time.perf_counter()
-        for req in rows:
-            out.rids.append(req.rid)
-            out.new_ids.append(req.output_ids[req.sent_len :])
-            req.sent_len = req.output_len
-            out.finished.append(req.finish_reason)
-            out.meta.append(ReqMeta(
-                prompt_tokens=req.prompt_len,
-                cached_tokens=req.cached_tokens or 0,
-                completion_tokens=req.output_len,
-                queue_time=req.queue_time,
-                since_first_token=now - req.first_token_time if req.first_token_time else 0.0,
-                pin=req.pin_result,
-                cached_tokens_details=req.cached_by_tier or None,
-                cache_report=self._cache_report(req) if req.return_cache_report else None,
-                spec=(req.spec.meta(req.output_len) if req.spec is not None else None) or None,
-            ))
-            if req.sent_init:
-                out.init.append(None)
-            else:
-                req.sent_init = True
-                p = req.params
-                out.init.append(DetokSettings(p.stop, p.skip_special_tokens, p.no_stop_trim))
-            out.logprobs.append(req.pending_logprobs if req.return_logprob else None)
-            out.top_logprobs.append(req.pending_top_logprobs if req.return_logprob else None)
-            attach_prompt_logprobs(out, req)
-            req.pending_logprobs, req.pending_top_logprobs = [], []
-            if req.finished:
-                self.reqs.pop(req.rid, None)
-        return out
-
-    @staticmethod
-    def _cache_report(req: Req) -> CacheReport:
-        if req.divergence is None:
-            return CacheReport(req.cached_tokens or 0)
-        return CacheReport(req.cached_tokens or 0, **req.divergence.to_dict())
-
-    # ---- control -----------------------------------------------------------------------
-    def live_requests(self) -> list[Req]:
-        return [r for r in self.reqs.values() if r.row is not None]
-
-    def check_memory(self) -> dict[str, Any]:
-        idle = not self.has_work
-        return self.kv.check_invariant(self.live_requests(), idle=idle)
-
-    def flush_cache(self) -> bool:
-        """Drop the whole tree; refused (False) while requests are in flight."""
-        if self.has_work:
-            return False
-        self.tree.reset()
-        self.allocator.reset()
-        self.pins.clear()
-        if self.tiers is not None and self.tiers.host_alloc is not None:
-            self.tiers.host_alloc.reset()
-        return True
-
-    def close(self) -> None:
-        """Let queued disk-tier writes finish (bounded); stop the tensor-parallel ranks."""
-        if self.tiers is not None:
-            self.tiers.close()
-        if self.runner.link is not None:
-            self.runner.link.close()
-            self.runner.link = None
-
-    def start_profile(self) -> dict[str, Any]:
-        """Profile the steps from now on (``profiling.py``); RuntimeError if already profiling."""
-        return self.profiler.start()
-
-    def stop_profile(self) -> dict[str, Any]:
-        """Seconds per category of the steps since ``start_profile``; RuntimeError if none."""
-        return self.profiler.stop()
-
-    def get_stats(self) -> dict[str, Any]:
-        d = self.stats.to_dict()
-        d.update(
-            running=len(self.running) + (1 if self.chunked else 0),
-            waiting=len(self.waiting),
-            free_pages=self.allocator.num_free_pages,
-            total_pages=self.allocator.num_pages,
-            tree_tokens=self.tree.total_size(),
-            evictable_tokens=self.tree.evictable_size(),
-            pinned_tokens=self.tree.pinned_size(),
-            num_pins=len(self.pins),
-            new_token_ratio=self.new_token_ratio,
-        )
-        d.update(self.constraints.stats())
-        if self.spec is not None:
-            d.update(self.spec.stats())
-        if self.tiers is not None:
-            d.update(self.tiers.to_dict(), host_tree_tokens=self.tree.host_size())
-        return d

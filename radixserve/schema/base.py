@@ -20,10 +20,10 @@ whose ``param`` the error handler (``errors.py``) appends to the error's locatio
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from radixserve.validation import is_text
@@ -143,3 +143,8 @@ class RequestBody(Body):
             raise reject(where, f"'{where or 'the body'}' holds a lone UTF-16 surrogate "
                                 "(\\ud800-\\udfff), which is not valid Unicode text")
         return data
+
+
+# Integers that reach the scheduler cross a process boundary as JSON, which carries int64.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
