@@ -150,6 +150,11 @@ class ServerArgs:
     slow_reader_timeout: float = 30.0  # a stream whose reader falls behind for this long is cut off
 
     def __post_init__(self) -> None:
+        self._check_choices_and_sizes()
+        self._check_features()
+        self._check_limits()
+
+    def _check_choices_and_sizes(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.schedule_policy not in _POLICIES:
@@ -186,6 +191,9 @@ class ServerArgs:
             self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1
         ):
             raise ValueError("chunked_prefill_size must be -1 (off) or >= 1")
+
+    def _check_features(self) -> None:
+        """Tiers, tensor parallelism, quantization and speculative decoding, and how they combine."""
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.host_cache_size < 0 or self.disk_cache_size < 1:
@@ -221,6 +229,8 @@ class ServerArgs:
                 not isinstance(self.speculative_disable_by_batch_size, int) or self.speculative_disable_by_batch_size < 1):
             raise ValueError("speculative_disable_by_batch_size must be a positive integer, "
                              f"got {self.speculative_disable_by_batch_size!r}")
+
+    def _check_limits(self) -> None:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0 <= self.max_pinned_fraction <= 1:

@@ -155,3 +155,43 @@ def test_no_package_file_reaches_into_bench():
             if any(m == "bench" or m.startswith("bench.") for m in mods):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+def test_no_package_file_over_400_lines():
+    long = {str(path.relative_to(ROOT)): n for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_no_function_over_80_lines_outside_the_kernels():
+    long = []
+    for name, path in MODULES.items():
+        if _in(name, "radixserve.kernels"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert long == []
+
+
+def test_messages_carry_typed_fields():
+    """What crosses a process boundary is typed down to its leaves: no field of a message or of
+    a record inside one is ``Any`` (``dict[str, Any]`` included).  The one exception is a
+    control command's result, a JSON document served as it is (``/server_info``, ``/metrics``)."""
+    import dataclasses
+    import typing
+
+    from radixserve.ipc import messages as m
+
+    def untyped(tp: object) -> bool:
+        if tp is typing.Any:
+            return True
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            return any(untyped(hints[f.name]) for f in dataclasses.fields(tp))
+        return any(untyped(a) for a in typing.get_args(tp))
+
+    found = [f"{cls.__name__}.{f.name}" for cls in m._REGISTRY.values()
+             for f in dataclasses.fields(cls) if untyped(typing.get_type_hints(cls)[f.name])]
+    assert found == ["ControlOut.result"]

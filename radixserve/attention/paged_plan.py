@@ -61,6 +61,22 @@ def _token_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + offsets
 
 
+def _row_entries(num_tokens: int, own_first: int, num_entries: int, chunk_entry_rows: list[np.ndarray],
+                 shared_entry_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each query row's entries, CSR: its own entry, its chunks' entries, then its shared entry."""
+    own = np.arange(own_first, own_first + num_tokens, dtype=np.int64)
+    chunk_ids = np.arange(own_first + num_tokens, num_entries, dtype=np.int64)
+    chunk_rows = np.concatenate(chunk_entry_rows) if chunk_entry_rows else np.zeros(0, dtype=np.int64)
+    in_group = shared_entry_of_row >= 0
+    listed = np.concatenate([own, chunk_ids, shared_entry_of_row[in_group]])
+    listed_rows = np.concatenate([np.arange(num_tokens, dtype=np.int64), chunk_rows,
+                                  np.flatnonzero(in_group)])
+    order = np.argsort(listed_rows, kind="stable")
+    row_ptr = np.zeros(num_tokens + 1, dtype=np.int64)
+    np.cumsum(np.bincount(listed_rows, minlength=num_tokens), out=row_ptr[1:])
+    return row_ptr, listed[order]
+
+
 def build_plan(table: np.ndarray, rows: list[int], prefix_lens: list[int],
                extend_lens: list[int], share: bool = True) -> KernelPlan:
     """The kernel plan of one forward (``table``: the request-to-token table, host view)."""
@@ -116,19 +132,7 @@ def build_plan(table: np.ndarray, rows: list[int], prefix_lens: list[int],
         chunk_entry_rows.append(tokens)
         num_entries += len(tokens)
 
-    # Each query row's entries: its own entry, its chunks' entries, then its shared entry.
-    own = np.arange(own_first, own_first + num_tokens, dtype=np.int64)
-    chunk_ids = np.arange(own_first + num_tokens, num_entries, dtype=np.int64)
-    chunk_rows = np.concatenate(chunk_entry_rows) if chunk_entry_rows else np.zeros(0, dtype=np.int64)
-    in_group = shared_entry_of_row >= 0
-    listed = np.concatenate([own, chunk_ids, shared_entry_of_row[in_group]])
-    listed_rows = np.concatenate([np.arange(num_tokens, dtype=np.int64), chunk_rows,
-                                  np.flatnonzero(in_group)])
-    order = np.argsort(listed_rows, kind="stable")
-    row_entries = listed[order]
-    row_ptr = np.zeros(num_tokens + 1, dtype=np.int64)
-    np.cumsum(np.bincount(listed_rows, minlength=num_tokens), out=row_ptr[1:])
-
+    row_ptr, row_entries = _row_entries(num_tokens, own_first, num_entries, chunk_entry_rows, shared_entry_of_row)
     job_ptr = np.zeros(len(job_sizes) + 1, dtype=np.int64)
     np.cumsum(job_sizes, out=job_ptr[1:])
     as_t = torch.from_numpy

@@ -13,6 +13,7 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -54,6 +55,7 @@ from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect
 from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece, RequestMeta, merge
+from radixserve.sampling import SamplingParams
 
 router = APIRouter()
 
@@ -153,6 +155,41 @@ def _finish_reason(meta: RequestMeta, has_calls: bool) -> str | None:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     st = server_state(request)
     st.check_model(body.model)
+    call = _prepare_chat(st, body)
+    if not body.stream:
+        return await _chat_response(call, request)
+    return await start_stream(_chat_chunks(call))
+
+
+@dataclass
+class _ChatCall:
+    """One chat request, rendered and validated: what its choices generate from."""
+
+    st: ServerState
+    body: ChatCompletionRequest
+    ids: list[int]
+    choice_params: list[SamplingParams]
+    spec: ParseSpec
+    cid: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def streams(self, stream: bool) -> list[AsyncIterator[Piece]]:
+        rids = choice_rids(self.body.rid, len(self.choice_params))
+        return [self.st.stream(self.ids, p, stream=stream, logprob=self.body.logprobs,
+                               top_n=self.body.top_logprobs or 0, rid=rid, hints=self.body.hints())
+                for p, rid in zip(self.choice_params, rids, strict=True)]
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        obj = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
+               "model": self.st.model_name, "choices": choices}
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            obj["usage"] = usage
+        return sse_event(obj)
+
+
+def _prepare_chat(st: ServerState, body: ChatCompletionRequest) -> _ChatCall:
+    """Plan the tools, render the prompt with the chat template, set up the output parsing,
+    validate the sampling values; APIError (400) naming the field at fault."""
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     except ToolRequestError as e:
@@ -177,89 +214,73 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     )
     sampling = _sampling(st, body, plan, fmt, prompt, thinking)
     ids, params = st.prepare(prompt, None, sampling, check_total=True, prompt_param="messages")
-    top_n = body.top_logprobs or 0
-    choice_params = params_per_choice(params, body.n)
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
+    return _ChatCall(st, body, ids, params_per_choice(params, body.n), spec)
 
-    rids = choice_rids(body.rid, len(choice_params))
 
-    def streams(stream: bool) -> list[AsyncIterator[Piece]]:
-        return [st.stream(ids, p, stream=stream, logprob=body.logprobs, top_n=top_n, rid=rid,
-                          hints=body.hints())
-                for p, rid in zip(choice_params, rids, strict=True)]
+async def _chat_response(call: _ChatCall, request: Request) -> JSONBytesResponse:
+    st, body = call.st, call.body
+    results = await asyncio.gather(*[collect(s, request) for s in call.streams(False)])
+    merged = [merge(r) for r in results]
+    choices = []
+    for i, r in enumerate(merged):
+        msg, has_calls = _message(call.spec, r.text)
+        choices.append({
+            "index": i, "message": msg,
+            "logprobs": _chat_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
+            "finish_reason": _finish_reason(r.meta, has_calls),
+        })
+    usage = usage_dict(len(call.ids), sum(r.meta.completion_tokens for r in merged),
+                       merged[0].meta.cached_tokens, merged[0].meta.cache_report)
+    return JSONBytesResponse({"id": call.cid, "object": "chat.completion", "created": call.created,
+                              "model": st.model_name, "choices": choices, "usage": usage})
 
-    if not body.stream:
-        results = await asyncio.gather(*[collect(s, request) for s in streams(False)])
-        merged = [merge(r) for r in results]
-        choices = []
-        for i, r in enumerate(merged):
-            msg, has_calls = _message(spec, r.text)
-            choices.append({
-                "index": i, "message": msg,
-                "logprobs": _chat_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
-                "finish_reason": _finish_reason(r.meta, has_calls),
-            })
-        usage = usage_dict(len(ids), sum(r.meta.completion_tokens for r in merged),
-                           merged[0].meta.cached_tokens, merged[0].meta.cache_report)
-        return JSONBytesResponse({"id": cid, "object": "chat.completion", "created": created,
-                               "model": model, "choices": choices, "usage": usage})
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": choices}
-        if include_usage:
-            obj["usage"] = usage
-        return sse_event(obj)
-
-    async def gen() -> AsyncIterator[bytes]:
-        n = len(choice_params)
-        parsers = [spec.new_parser() for _ in range(n)]
-        # stream_reasoning=false: each choice's reasoning so far, sent in one delta once it ends.
-        reasoning: list[list[str]] | None = None if body.stream_reasoning else [[] for _ in range(n)]
-        has_calls = [False] * n
-        # Per choice, the logprobs of tokens whose text the parser still holds back: they
-        # ride on the next chunk that carries a delta.
-        held: list[tuple[list[int], list[float], list[Any]]] = [([], [], []) for _ in range(n)]
-        started = set()
-        completion, cached = 0, 0
-        report: CacheReport | None = None
-        async for i, piece in fan_in(streams(True)):
-            if i not in started:
-                started.add(i)
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-            meta, finished = piece.meta, piece.finished
-            if spec.active:
-                pieces = parsers[i].feed(piece.text) + (parsers[i].finish() if finished else [])
-                if reasoning is not None:
-                    pieces = _hold_reasoning(pieces, reasoning[i], finished)
-                has_calls[i] |= any(isinstance(p, ToolCallStart) for p in pieces)
-                deltas = openai_deltas(pieces)
-            else:
-                deltas = [{"content": piece.text}] if piece.text else []
-            if body.logprobs:
-                h = held[i]
-                h[0].extend(piece.output_ids)
-                h[1].extend(piece.logprobs)
-                h[2].extend(piece.top_logprobs)
-            if finished and not deltas:
-                deltas = [{}]
-            for k, delta in enumerate(deltas):
-                lp = None
-                if body.logprobs and k == 0:
-                    lp = _chat_logprobs(st, *held[i])
-                    held[i] = ([], [], [])
-                last = finished and k == len(deltas) - 1
-                yield chunk([{"index": i, "delta": delta, "logprobs": lp,
-                              "finish_reason": _finish_reason(meta, has_calls[i]) if last else None}])
-            if finished:
-                completion += meta.completion_tokens
-                if i == 0:
-                    cached, report = meta.cached_tokens, meta.cache_report
-        if include_usage:
-            yield chunk([], usage_dict(len(ids), completion, cached, report))
-        yield b"data: [DONE]\n\n"
-
-    return await start_stream(gen())
+async def _chat_chunks(call: _ChatCall) -> AsyncIterator[bytes]:
+    st, body, spec, chunk = call.st, call.body, call.spec, call.chunk
+    n = len(call.choice_params)
+    parsers = [spec.new_parser() for _ in range(n)]
+    # stream_reasoning=false: each choice's reasoning so far, sent in one delta once it ends.
+    reasoning: list[list[str]] | None = None if body.stream_reasoning else [[] for _ in range(n)]
+    has_calls = [False] * n
+    # Per choice, the logprobs of tokens whose text the parser still holds back: they
+    # ride on the next chunk that carries a delta.
+    held: list[tuple[list[int], list[float], list[Any]]] = [([], [], []) for _ in range(n)]
+    started = set()
+    completion, cached = 0, 0
+    report: CacheReport | None = None
+    async for i, piece in fan_in(call.streams(True)):
+        if i not in started:
+            started.add(i)
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        meta, finished = piece.meta, piece.finished
+        if spec.active:
+            pieces = parsers[i].feed(piece.text) + (parsers[i].finish() if finished else [])
+            if reasoning is not None:
+                pieces = _hold_reasoning(pieces, reasoning[i], finished)
+            has_calls[i] |= any(isinstance(p, ToolCallStart) for p in pieces)
+            deltas = openai_deltas(pieces)
+        else:
+            deltas = [{"content": piece.text}] if piece.text else []
+        if body.logprobs:
+            h = held[i]
+            h[0].extend(piece.output_ids)
+            h[1].extend(piece.logprobs)
+            h[2].extend(piece.top_logprobs)
+        if finished and not deltas:
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            lp = None
+            if body.logprobs and k == 0:
+                lp = _chat_logprobs(st, *held[i])
+                held[i] = ([], [], [])
+            last = finished and k == len(deltas) - 1
+            yield chunk([{"index": i, "delta": delta, "logprobs": lp,
+                          "finish_reason": _finish_reason(meta, has_calls[i]) if last else None}])
+        if finished:
+            completion += meta.completion_tokens
+            if i == 0:
+                cached, report = meta.cached_tokens, meta.cache_report
+    if body.stream_options and body.stream_options.include_usage:
+        yield chunk([], usage_dict(len(call.ids), completion, cached, report))
+    yield b"data: [DONE]\n\n"

@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,6 +27,7 @@ from radixserve.frontend.responses import JSONBytesResponse
 from radixserve.frontend.serving import ServerState, collect
 from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece, merge
+from radixserve.sampling import SamplingParams
 
 router = APIRouter()
 
@@ -76,6 +78,50 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     computed even when it is cached."""
     st = server_state(request)
     st.check_model(body.model)
+    call = _prepare_completion(st, body)
+    if not body.stream:
+        return await _completion_response(call, request)
+    return await start_stream(_completion_chunks(call))
+
+
+@dataclass
+class _CompletionCall:
+    """One completion request, validated: its prompts and each choice's job."""
+
+    st: ServerState
+    body: CompletionRequest
+    prepared: list[tuple[list[int], SamplingParams]]  # per prompt
+    cid: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.jobs = [(ids, cp) for ids, params in self.prepared for cp in params_per_choice(params, self.body.n)]
+        self.want_lp = self.body.logprobs is not None
+        self.echo_lp = self.body.echo and self.want_lp
+        self.echo_text = [self.st.tokenizer.decode(ids) if self.body.echo else "" for ids, _ in self.jobs]
+        self.prompt_tokens = sum(len(ids) for ids, _ in self.prepared)
+
+    def streams(self, stream: bool) -> list[AsyncIterator[Piece]]:
+        rids = choice_rids(self.body.rid, len(self.jobs))
+        return [self.st.stream(ids, p, stream=stream, logprob=self.want_lp, top_n=self.body.logprobs or 0,
+                               rid=rid, logprob_start_len=0 if self.echo_lp else -1, hints=self.body.hints())
+                for (ids, p), rid in zip(self.jobs, rids, strict=True)]
+
+    def prompt_logprobs(self, i: int, piece: Piece) -> dict[str, Any] | None:
+        """Choice i's prompt part (echo + logprobs), from the piece that carries it."""
+        if not self.echo_lp:
+            return None
+        return _completion_logprobs(self.st, self.jobs[i][0], piece.input_logprobs, piece.input_top_logprobs, 0)
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        obj = {"id": self.cid, "object": "text_completion", "created": self.created,
+               "model": self.st.model_name, "choices": choices}
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            obj["usage"] = usage
+        return sse_event(obj)
+
+
+def _prepare_completion(st: ServerState, body: CompletionRequest) -> _CompletionCall:
     sampling = body.sampling_dict(body.max_tokens)
     prepared = []
     for k, p in enumerate(body.prompts()):
@@ -87,88 +133,64 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             if len(body.prompts()) > 1:
                 e.message = f"prompt {k}: {e.message}"
             raise
-    want_lp = body.logprobs is not None
-    top_n = body.logprobs or 0
-    echo_lp = body.echo and want_lp
-    jobs = [(ids, cp) for ids, params in prepared for cp in params_per_choice(params, body.n)]
-    rids = choice_rids(body.rid, len(jobs))
-    echo_text = [st.tokenizer.decode(ids) if body.echo else "" for ids, _ in jobs]
-    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.model_name
+    return _CompletionCall(st, body, prepared)
 
-    def streams(stream: bool) -> list[AsyncIterator[Piece]]:
-        return [st.stream(ids, p, stream=stream, logprob=want_lp, top_n=top_n, rid=rid,
-                          logprob_start_len=0 if echo_lp else -1, hints=body.hints())
-                for (ids, p), rid in zip(jobs, rids, strict=True)]
 
-    def prompt_logprobs(i: int, piece: Piece) -> dict[str, Any] | None:
-        """Choice i's prompt part (echo + logprobs), from the piece that carries it."""
-        if not echo_lp:
-            return None
-        return _completion_logprobs(st, jobs[i][0], piece.input_logprobs, piece.input_top_logprobs, 0)
+async def _completion_response(call: _CompletionCall, request: Request) -> JSONBytesResponse:
+    st, body = call.st, call.body
+    results = [merge(r) for r in await asyncio.gather(*[collect(s, request) for s in call.streams(False)])]
+    choices = [{
+        "index": i,
+        "text": call.echo_text[i] + r.text,
+        "logprobs": _join_logprobs(
+            call.prompt_logprobs(i, r),
+            _completion_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs, len(call.echo_text[i])),
+        ) if call.want_lp else None,
+        "finish_reason": r.meta.finish_type,
+    } for i, r in enumerate(results)]
+    cached = sum(results[k * body.n].meta.cached_tokens for k in range(len(call.prepared)))
+    usage = usage_dict(call.prompt_tokens, sum(r.meta.completion_tokens for r in results), cached,
+                       results[0].meta.cache_report)
+    return JSONBytesResponse({"id": call.cid, "object": "text_completion", "created": call.created,
+                              "model": st.model_name, "choices": choices, "usage": usage})
 
-    prompt_tokens = sum(len(ids) for ids, _ in prepared)
-    if not body.stream:
-        results = [merge(r) for r in await asyncio.gather(*[collect(s, request) for s in streams(False)])]
-        choices = [{
-            "index": i,
-            "text": echo_text[i] + r.text,
-            "logprobs": _join_logprobs(
-                prompt_logprobs(i, r),
-                _completion_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs, len(echo_text[i])),
-            ) if want_lp else None,
-            "finish_reason": r.meta.finish_type,
-        } for i, r in enumerate(results)]
-        cached = sum(results[k * body.n].meta.cached_tokens for k in range(len(prepared)))
-        usage = usage_dict(prompt_tokens, sum(r.meta.completion_tokens for r in results), cached,
-                           results[0].meta.cache_report)
-        return JSONBytesResponse({"id": cid, "object": "text_completion", "created": created,
-                               "model": model, "choices": choices, "usage": usage})
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        obj = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-        if include_usage:
-            obj["usage"] = usage
-        return sse_event(obj)
-
-    async def gen() -> AsyncIterator[bytes]:
-        completion, cached = 0, 0
-        report: CacheReport | None = None
-        sent_echo: set[int] = set()
-        text_pos = [0] * len(jobs)  # characters of choice i's text sent so far
-        # Per choice, logprobs not sent yet: a piece whose text is held back (a character
-        # split across tokens) sends its tokens' logprobs with the next chunk that has text.
-        held: list[dict[str, Any]] = [{"prompt": None, "ids": [], "lps": [], "tops": []} for _ in jobs]
-        async for i, piece in fan_in(streams(True)):
-            text = piece.text
-            start = text_pos[i]  # where this chunk's completion text begins
-            if i not in sent_echo:
-                sent_echo.add(i)
-                text = echo_text[i] + text
-                start += len(echo_text[i])
-                held[i]["prompt"] = prompt_logprobs(i, piece)
-            h = held[i]
-            h["ids"] += piece.output_ids
-            h["lps"] += piece.logprobs
-            h["tops"] += piece.top_logprobs
-            finished = piece.finished
-            if text or finished:
-                lp = None
-                if want_lp:
-                    lp = _join_logprobs(h["prompt"], _completion_logprobs(st, h["ids"], h["lps"], h["tops"], start))
-                    held[i] = {"prompt": None, "ids": [], "lps": [], "tops": []}
-                text_pos[i] += len(text)
-                yield chunk([{"index": i, "text": text, "logprobs": lp,
-                              "finish_reason": piece.meta.finish_type if finished else None}])
-            if finished:
-                completion += piece.meta.completion_tokens
-                if i % body.n == 0:
-                    cached += piece.meta.cached_tokens
-                if i == 0:
-                    report = piece.meta.cache_report
-        if include_usage:
-            yield chunk([], usage_dict(prompt_tokens, completion, cached, report))
-        yield b"data: [DONE]\n\n"
-
-    return await start_stream(gen())
+async def _completion_chunks(call: _CompletionCall) -> AsyncIterator[bytes]:
+    st, body = call.st, call.body
+    completion, cached = 0, 0
+    report: CacheReport | None = None
+    sent_echo: set[int] = set()
+    text_pos = [0] * len(call.jobs)  # characters of choice i's text sent so far
+    # Per choice, logprobs not sent yet: a piece whose text is held back (a character
+    # split across tokens) sends its tokens' logprobs with the next chunk that has text.
+    held: list[dict[str, Any]] = [{"prompt": None, "ids": [], "lps": [], "tops": []} for _ in call.jobs]
+    async for i, piece in fan_in(call.streams(True)):
+        text = piece.text
+        start = text_pos[i]  # where this chunk's completion text begins
+        if i not in sent_echo:
+            sent_echo.add(i)
+            text = call.echo_text[i] + text
+            start += len(call.echo_text[i])
+            held[i]["prompt"] = call.prompt_logprobs(i, piece)
+        h = held[i]
+        h["ids"] += piece.output_ids
+        h["lps"] += piece.logprobs
+        h["tops"] += piece.top_logprobs
+        finished = piece.finished
+        if text or finished:
+            lp = None
+            if call.want_lp:
+                lp = _join_logprobs(h["prompt"], _completion_logprobs(st, h["ids"], h["lps"], h["tops"], start))
+                held[i] = {"prompt": None, "ids": [], "lps": [], "tops": []}
+            text_pos[i] += len(text)
+            yield call.chunk([{"index": i, "text": text, "logprobs": lp,
+                               "finish_reason": piece.meta.finish_type if finished else None}])
+        if finished:
+            completion += piece.meta.completion_tokens
+            if i % body.n == 0:
+                cached += piece.meta.cached_tokens
+            if i == 0:
+                report = piece.meta.cache_report
+    if body.stream_options and body.stream_options.include_usage:
+        yield call.chunk([], usage_dict(call.prompt_tokens, completion, cached, report))
+    yield b"data: [DONE]\n\n"

@@ -31,6 +31,7 @@ knobs, so the result is the same across batch compositions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -172,26 +173,8 @@ class SamplingBatch:
         has_filter = [_has_filter(params[i], vocab_size) for i in sampled]
         filtered_rows = upload.add([j for j, f in enumerate(has_filter) if f]) if any(has_filter) else None
         plain_rows = upload.add([j for j, f in enumerate(has_filter) if not f]) if not all(has_filter) else None
-        logit_bias = None
-        if any(p.logit_bias for p in params):
-            rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
-            cols = [t for p in params for t in p.logit_bias]
-            vals = [b for p in params for b in p.logit_bias.values()]
-            logit_bias = (upload.add(rows), upload.add(cols), upload.add(vals, np.float32))
-        # Rows without a given penalty contribute no ids: their counts stay 0 (neutral anyway).
-        seen_ids = out_ids = None
-        if any(p.repetition_penalty != 1.0 for p in params):
-            seen_ids = upload.add(padded_token_ids([
-                ((prompt_ids[i] if prompt_ids is not None else []) + output_ids[i])
-                if p.repetition_penalty != 1.0
-                else []
-                for i, p in enumerate(params)
-            ], vocab_size))
-        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-            out_ids = upload.add(padded_token_ids([
-                output_ids[i] if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) else []
-                for i, p in enumerate(params)
-            ], vocab_size))
+        logit_bias = _stage_logit_bias(upload, params)
+        seen_ids, out_ids = _stage_penalty_ids(upload, params, output_ids, prompt_ids, vocab_size)
         upload.send()
         floats, ints, sampled_rows, filtered_rows, plain_rows, logit_bias, seen_ids, out_ids = resolve(
             (floats, ints, sampled_rows, filtered_rows, plain_rows, logit_bias, seen_ids, out_ids))
@@ -217,6 +200,37 @@ class SamplingBatch:
             seen_mask=None if seen_ids is None else count_tokens(seen_ids, vocab_size) > 0,
             output_counts=None if out_ids is None else count_tokens(out_ids, vocab_size),
         )
+
+
+def _stage_logit_bias(upload: Upload, params: list[SamplingParams]) -> tuple[Any, Any, Any] | None:
+    """The batch's logit biases as (rows, token ids, values), staged; None without any."""
+    if not any(p.logit_bias for p in params):
+        return None
+    rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+    cols = [t for p in params for t in p.logit_bias]
+    vals = [b for p in params for b in p.logit_bias.values()]
+    return upload.add(rows), upload.add(cols), upload.add(vals, np.float32)
+
+
+def _stage_penalty_ids(upload: Upload, params: list[SamplingParams], output_ids: list[list[int]],
+                       prompt_ids: list[list[int]] | None, vocab_size: int) -> tuple[Any, Any]:
+    """The token ids the penalties count, staged: prompt + output for the repetition penalty,
+    output for the frequency / presence ones (None when no row has the penalty).  Rows without
+    a given penalty contribute no ids: their counts stay 0 (neutral anyway)."""
+    seen_ids = out_ids = None
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen_ids = upload.add(padded_token_ids([
+            ((prompt_ids[i] if prompt_ids is not None else []) + output_ids[i])
+            if p.repetition_penalty != 1.0
+            else []
+            for i, p in enumerate(params)
+        ], vocab_size))
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        out_ids = upload.add(padded_token_ids([
+            output_ids[i] if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) else []
+            for i, p in enumerate(params)
+        ], vocab_size))
+    return seen_ids, out_ids
 
 
 def _has_filter(p: SamplingParams, vocab_size: int) -> bool:

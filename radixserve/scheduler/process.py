@@ -135,48 +135,19 @@ def run_scheduler_process(
         ignore_interrupts,
         on_sigterm,
         open_pipeline_sockets,
-        parent_alive,
-        wait_for_input,
     )
 
     ignore_interrupts()
     configure_logging("scheduler", args.log_level)
     exit_on_sigterm("scheduler")
     try:
-        import torch
-
-        from radixserve.distributed.group import SINGLE, init_group, rank_device
-        from radixserve.model.gguf_index import gguf_source
-        from radixserve.model.loader import load_model
-        from radixserve.scheduler.scheduler import Scheduler
-        from radixserve.scheduler.tp_worker import WorkerLink, rank_threads, share_setup
-        from radixserve.tokenizer import DeferredTokenizer, load_decoder
-
-        threads, threads_source = rank_threads(args.tp_size)
-        torch.set_num_threads(threads)
-        torch.manual_seed(args.random_seed)
-        tp = SINGLE
-        if args.tp_size > 1:
-            tp = init_group(0, args.tp_size, folder, rank_device(args.device, 0))
-        loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp,
-                            load_format=args.load_format, quantization=args.quantization,
-                            gguf_path=gguf_source(args.model) if args.quantization == "gguf" else None)
-        sched = Scheduler(args, loaded.model, loaded.config, None)
-        # Stop strings only decode (the tokenizers library, milliseconds); grammars need the
-        # transformers tokenizer, whose import takes seconds: loaded for the first of them.
-        sched.attach_tokenizer(load_decoder(loaded.tokenizer_path), DeferredTokenizer(loaded.tokenizer_path))
-        if tp.size > 1:
-            sched.runner.link = WorkerLink(folder, tp.size)
-            share_setup({"num_slots": sched.allocator.num_slots})
+        sched, info, threads_source = _start(args, model_path, folder)
         on_sigterm(sched.close)  # queued disk-tier writes land before the process goes
         recv, send = open_pipeline_sockets(in_addr, out_addr)
     except Exception as e:  # reported to the launcher, which fails the start with it
         logger.exception("scheduler failed to start")
         ready_pipe.send(("error", f"scheduler failed to start: {e!r}"))
         return
-    info = sched.info()
-    info["tokenizer_path"] = loaded.tokenizer_path
-    info["torch_threads"] = torch.get_num_threads()
     ready_pipe.send(("ready", info))
     logger.info(
         "ready: %s, %d KV tokens (page %d), %d request rows, %d torch threads (%s), "
@@ -184,6 +155,46 @@ def run_scheduler_process(
         model_path, sched.pool_tokens, sched.page_size, sched.max_running,
         info["torch_threads"], threads_source, dtype_note(args), sched.runner.attention_path,
     )
+    _serve(sched, recv, send)
+
+
+def _start(args: ServerArgs, model_path: str, folder: str) -> tuple[Any, dict[str, Any], str]:
+    """Load the model (this rank's shard), build the scheduler; its start-up info."""
+    import torch
+
+    from radixserve.distributed.group import SINGLE, init_group, rank_device
+    from radixserve.model.gguf_index import gguf_source
+    from radixserve.model.loader import load_model
+    from radixserve.scheduler.scheduler import Scheduler
+    from radixserve.scheduler.tp_worker import WorkerLink, rank_threads, share_setup
+    from radixserve.tokenizer import DeferredTokenizer, load_decoder
+
+    threads, threads_source = rank_threads(args.tp_size)
+    torch.set_num_threads(threads)
+    torch.manual_seed(args.random_seed)
+    tp = SINGLE
+    if args.tp_size > 1:
+        tp = init_group(0, args.tp_size, folder, rank_device(args.device, 0))
+    loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp,
+                        load_format=args.load_format, quantization=args.quantization,
+                        gguf_path=gguf_source(args.model) if args.quantization == "gguf" else None)
+    sched = Scheduler(args, loaded.model, loaded.config, None)
+    # Stop strings only decode (the tokenizers library, milliseconds); grammars need the
+    # transformers tokenizer, whose import takes seconds: loaded for the first of them.
+    sched.attach_tokenizer(load_decoder(loaded.tokenizer_path), DeferredTokenizer(loaded.tokenizer_path))
+    if tp.size > 1:
+        sched.runner.link = WorkerLink(folder, tp.size)
+        share_setup({"num_slots": sched.allocator.num_slots})
+    info = sched.info()
+    info["tokenizer_path"] = loaded.tokenizer_path
+    info["torch_threads"] = torch.get_num_threads()
+    return sched, info, threads_source
+
+
+def _serve(sched: Any, recv: zmq.Socket, send: zmq.Socket) -> None:
+    """The loop: take every waiting frame, step while there is work, log the statistics."""
+    from radixserve.logging_utils import parent_alive, wait_for_input
+
     parent = os.getppid()
     last_log = time.monotonic()
     last_gen = 0
