@@ -9,6 +9,16 @@ import re
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+class FieldError(ValueError):
+    """A request value is wrong; ``field`` names it as data (a sampling parameter's name, or
+    ``logprob_start_len``; ``sampling_params``: the sampling object as a whole), so that an
+    HTTP error body can say which request field it is about without reading the message."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def is_text(s: str) -> bool:
     """``s`` is valid Unicode text (it holds no lone surrogate)."""
     return _SURROGATE.search(s) is None
@@ -44,9 +54,10 @@ def check_logprob_start_len(logprob_start_len: object, prompt_len: int) -> None:
     """``-1`` (no prompt logprobs) or a prompt position ``[0, prompt_len]`` (``prompt_len``:
     none either, as SGLang allows); else ``ValueError``."""
     if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
-        raise ValueError("logprob_start_len must be an integer")
+        raise FieldError("logprob_start_len", "logprob_start_len must be an integer")
     if not -1 <= logprob_start_len <= prompt_len:
-        raise ValueError(
+        raise FieldError(
+            "logprob_start_len",
             f"logprob_start_len must be -1 or a prompt position in [0, {prompt_len}] "
             f"(the prompt has {prompt_len} tokens), got {logprob_start_len}"
         )

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Request
 from radixserve.chat.messages import ApplyChatTemplateRequest
 from radixserve.chat.render import ChatTemplateError, render_without_tools
 from radixserve.frontend.errors import APIError
+from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.native_protocol import CachePinRequest
-from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState
+from radixserve.frontend.state import ServerState
 from radixserve.runtime.tokenizer_manager import InvalidRequestError, SchedulingHints
 
 router = APIRouter()

@@ -18,8 +18,8 @@ from fastapi.responses import HTMLResponse
 
 from radixserve.cache.tree_view import expand
 from radixserve.frontend.errors import APIError
-from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState
+from radixserve.frontend.json_response import JSONBytesResponse
+from radixserve.frontend.state import ServerState
 from radixserve.runtime.tokenizer_manager import decode_divergence
 
 router = APIRouter()

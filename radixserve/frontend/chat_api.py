@@ -40,6 +40,7 @@ from radixserve.chat.render import (
     tool_parser,
 )
 from radixserve.frontend.errors import APIError
+from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.openai_common import (
     choice_rids,
     fan_in,
@@ -51,8 +52,7 @@ from radixserve.frontend.openai_common import (
     usage_dict,
 )
 from radixserve.frontend.protocol import ChatCompletionRequest
-from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState, collect
+from radixserve.frontend.state import ServerState, collect
 from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece, RequestMeta, merge
 from radixserve.sampling import SamplingParams

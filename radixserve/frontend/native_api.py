@@ -21,10 +21,10 @@ from radixserve import __version__
 from radixserve.chat.messages import ApplyChatTemplateRequest
 from radixserve.chat.render import ChatTemplateError, render_without_tools
 from radixserve.frontend.errors import APIError
+from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.native_protocol import AbortRequest, GenerateRequest
 from radixserve.frontend.openai_common import SSE_DONE, guarded_stream
-from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState, collect
+from radixserve.frontend.state import ServerState, collect
 from radixserve.runtime.jobs import PromptSpec, prepare_jobs, split_batch
 from radixserve.runtime.native_output import LogprobRequest, NativeOutput
 from radixserve.runtime.pieces import Piece

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from radixserve.frontend.errors import APIError
+from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.openai_common import (
     choice_rids,
     fan_in,
@@ -23,8 +24,7 @@ from radixserve.frontend.openai_common import (
     usage_dict,
 )
 from radixserve.frontend.protocol import CompletionRequest
-from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState, collect
+from radixserve.frontend.state import ServerState, collect
 from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece, merge
 from radixserve.sampling import SamplingParams

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from radixserve.frontend.errors import error_body
-from radixserve.frontend.serving import ServerState
+from radixserve.frontend.state import ServerState
 from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece
 from radixserve.runtime.tokenizer_manager import RequestError

@@ -30,11 +30,11 @@ from radixserve.frontend.cache_api import router as cache_router
 from radixserve.frontend.cache_views import router as cache_views_router
 from radixserve.frontend.chat_api import router as chat_router
 from radixserve.frontend.errors import install_error_handlers
+from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.limits import MAX_INCOMPLETE_HEAD_BYTES, install_limits
 from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
-from radixserve.frontend.responses import JSONBytesResponse
-from radixserve.frontend.serving import ServerState
+from radixserve.frontend.state import ServerState
 from radixserve.ipc.launcher import ProcessGroup
 from radixserve.logging_utils import configure_logging
 from radixserve.runtime.client import RuntimeClient

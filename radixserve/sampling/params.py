@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from radixserve.validation import is_text
+from radixserve.validation import FieldError, is_text
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -28,24 +28,24 @@ def _check_int(name: str, value: Any) -> int:
     """An integer that fits in 64 bits: the parameters cross process boundaries as JSON,
     which carries no larger integer."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"sampling_params.{name} must be an integer, got {value!r}")
+        raise FieldError(name, f"sampling_params.{name} must be an integer, got {value!r}")
     if not _INT64_MIN <= value <= _INT64_MAX:
-        raise ValueError(f"sampling_params.{name} must fit in 64 bits, got {value}")
+        raise FieldError(name, f"sampling_params.{name} must fit in 64 bits, got {value}")
     return int(value)
 
 
 def _check_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"sampling_params.{name} must be a number, got {value!r}")
+        raise FieldError(name, f"sampling_params.{name} must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"sampling_params.{name} must be finite, got {value!r}")
+        raise FieldError(name, f"sampling_params.{name} must be finite, got {value!r}")
     return value
 
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"sampling_params.{name} must be a boolean, got {value!r}")
+        raise FieldError(name, f"sampling_params.{name} must be a boolean, got {value!r}")
     return value
 
 
@@ -60,14 +60,15 @@ def _check_stop(value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise ValueError(
+        raise FieldError(
+            "stop",
             f"sampling_params.stop must be a string or a list of strings, got {value!r}"
         )
     for s in value:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"sampling_params.stop must hold non-empty strings, got {s!r}")
+            raise FieldError("stop", f"sampling_params.stop must hold non-empty strings, got {s!r}")
         if not is_text(s):
-            raise ValueError(f"sampling_params.stop holds a lone UTF-16 surrogate: {_escaped(s)}")
+            raise FieldError("stop", f"sampling_params.stop holds a lone UTF-16 surrogate: {_escaped(s)}")
     return list(value)
 
 
@@ -76,7 +77,7 @@ def _check_logit_bias(value: Any) -> dict[int, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ValueError(f"sampling_params.logit_bias must be an object, got {value!r}")
+        raise FieldError("logit_bias", f"sampling_params.logit_bias must be an object, got {value!r}")
     out: dict[int, float] = {}
     for key, bias in value.items():
         try:
@@ -84,10 +85,10 @@ def _check_logit_bias(value: Any) -> dict[int, float]:
         except (TypeError, ValueError):
             tok = -1
         if tok < 0:
-            raise ValueError(f"sampling_params.logit_bias keys must be token ids, got {key!r}")
+            raise FieldError("logit_bias", f"sampling_params.logit_bias keys must be token ids, got {key!r}")
         bias = _check_float("logit_bias", bias)
         if not -100.0 <= bias <= 100.0:
-            raise ValueError(f"sampling_params.logit_bias values must be in [-100, 100], got {bias}")
+            raise FieldError("logit_bias", f"sampling_params.logit_bias values must be in [-100, 100], got {bias}")
         out[tok] = bias
     return out
 
@@ -96,13 +97,14 @@ def _check_stop_token_ids(value: Any) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise ValueError(
+        raise FieldError(
+            "stop_token_ids",
             f"sampling_params.stop_token_ids must be a list of integers, got {value!r}"
         )
     out = []
     for t in value:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
-            raise ValueError(f"sampling_params.stop_token_ids must hold integers >= 0, got {t!r}")
+            raise FieldError("stop_token_ids", f"sampling_params.stop_token_ids must hold integers >= 0, got {t!r}")
         out.append(int(t))
     return out
 
@@ -230,9 +232,9 @@ class SamplingParams:
         for name in GRAMMAR_FIELDS:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                raise ValueError(f"sampling_params.{name} must be a string, got {type(value).__name__}")
+                raise FieldError(name, f"sampling_params.{name} must be a string, got {type(value).__name__}")
             if value is not None and not is_text(value):
-                raise ValueError(f"sampling_params.{name} holds a lone UTF-16 surrogate: {_escaped(value)}")
+                raise FieldError(name, f"sampling_params.{name} holds a lone UTF-16 surrogate: {_escaped(value)}")
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(given)}")
@@ -255,29 +257,32 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
 
         if self.max_new_tokens < 0:
-            raise ValueError(
+            raise FieldError(
+                "max_new_tokens",
                 f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}"
             )
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(
+            raise FieldError(
+                "min_new_tokens",
                 f"sampling_params.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}"
             )
         if self.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"sampling_params.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}")
+            raise FieldError("top_k", f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
+            raise FieldError("min_p", f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(
+            raise FieldError(
+                "repetition_penalty",
                 f"sampling_params.repetition_penalty must be > 0, got {self.repetition_penalty}"
             )
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
-                raise ValueError(f"sampling_params.{name} must be in [-2, 2], got {v}")
+                raise FieldError(name, f"sampling_params.{name} must be in [-2, 2], got {v}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -288,17 +293,18 @@ class SamplingParams:
         if d is None:
             return cls()
         if not isinstance(d, dict):
-            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+            raise FieldError("sampling_params", f"sampling_params must be an object, got {type(d).__name__}")
         valid = [f.name for f in fields(cls)]
         unknown = sorted(k for k in d if k not in valid and k not in SGLANG_ONLY_FIELDS)
         if unknown:
-            raise ValueError(
+            raise FieldError(
+                "sampling_params",
                 f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
                 f"valid: {', '.join(valid + list(SGLANG_ONLY_FIELDS))}"
             )
         for name, check in SGLANG_ONLY_FIELDS.items():
             if d.get(name) is not None and (error := check(d[name])) is not None:
-                raise ValueError(error)
+                raise FieldError(name, error)
         return cls(**{k: v for k, v in d.items() if v is not None and k not in SGLANG_ONLY_FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
@@ -313,12 +319,14 @@ class SamplingParams:
         """Checks that need the model: every stop token id must be a real token."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(
+            raise FieldError(
+                "stop_token_ids",
                 f"sampling_params.stop_token_ids {bad} out of range for vocab size {vocab_size}"
             )
         bad = [t for t in self.logit_bias if t >= vocab_size]
         if bad:
-            raise ValueError(
+            raise FieldError(
+                "logit_bias",
                 f"sampling_params.logit_bias token ids {bad} out of range for vocab size {vocab_size}"
             )
 

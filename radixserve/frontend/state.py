@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ from radixserve.runtime.client import RuntimeClient
 from radixserve.runtime.pieces import Piece
 from radixserve.runtime.tokenizer_manager import SchedulingHints, TokenizerManager
 from radixserve.sampling import SamplingParams
+from radixserve.validation import FieldError
 
 logger = logging.getLogger("radixserve.requests")
 DISCONNECT_POLL_S = 0.1
@@ -32,24 +32,20 @@ DISCONNECT_POLL_S = 0.1
 UNNAMED_MODELS = ("default", "unknown")
 # Sampling parameters whose OpenAI request field has another name.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-# Validation messages start with the field they are about: "sampling_params.top_k must ...",
-# "logprob_start_len must ...".
-_LEADING_FIELD = re.compile(r"^(?:sampling_params\.(\w+)|(logprob_start_len)\b)")
 
 
-def _error_param(message: str, openai: bool, prompt_param: str | None) -> str | None:
-    """The request field an error message is about: a sampling parameter (``top_k`` on the
-    OpenAI routes, ``sampling_params.top_k`` on the native one), the sampling parameters as a
-    whole, ``logprob_start_len``, or else the prompt."""
-    if message.startswith(("unknown sampling parameter", "sampling_params must")):
-        return None if openai else "sampling_params"
-    match = _LEADING_FIELD.match(message)
-    if match is None:
+def _error_param(e: ValueError, openai: bool, prompt_param: str | None) -> str | None:
+    """The request field an error is about (``FieldError.field``): a sampling parameter
+    (``top_k`` on the OpenAI routes, ``sampling_params.top_k`` on the native one), the sampling
+    parameters as a whole, ``logprob_start_len``, or else the prompt."""
+    field = e.field if isinstance(e, FieldError) else None
+    if field is None:
         return prompt_param
-    name, other = match.groups()
-    if other:
-        return other
-    return _OPENAI_NAMES.get(name, name) if openai else f"sampling_params.{name}"
+    if field == "sampling_params":
+        return None if openai else "sampling_params"
+    if field == "logprob_start_len":
+        return field
+    return _OPENAI_NAMES.get(field, field) if openai else f"sampling_params.{field}"
 
 
 @dataclass
@@ -96,7 +92,7 @@ class ServerState:
         except APIError:
             raise
         except ValueError as e:
-            raise APIError(str(e), 400, param=_error_param(str(e), check_total, prompt_param)) from e
+            raise APIError(str(e), 400, param=_error_param(e, check_total, prompt_param)) from e
 
     def _prepare(self, prompt: str | None, input_ids: list[int] | None,
                  sampling: dict[str, Any] | None, check_total: bool,
