@@ -43,10 +43,10 @@ from radixserve.frontend.errors import APIError
 from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.openai_common import (
     choice_rids,
+    chunk_event,
     fan_in,
     params_per_choice,
     server_state,
-    sse_event,
     start_stream,
     token_text,
     usage_dict,
@@ -180,11 +180,9 @@ class _ChatCall:
                 for p, rid in zip(self.choice_params, rids, strict=True)]
 
     def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        obj = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
-               "model": self.st.model_name, "choices": choices}
-        if self.body.stream_options and self.body.stream_options.include_usage:
-            obj["usage"] = usage
-        return sse_event(obj)
+        head = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.st.model_name}
+        return chunk_event(head, choices, self.body.include_usage, usage)
 
 
 def _prepare_chat(st: ServerState, body: ChatCompletionRequest) -> _ChatCall:
@@ -281,6 +279,6 @@ async def _chat_chunks(call: _ChatCall) -> AsyncIterator[bytes]:
             completion += meta.completion_tokens
             if i == 0:
                 cached, report = meta.cached_tokens, meta.cache_report
-    if body.stream_options and body.stream_options.include_usage:
+    if body.include_usage:
         yield chunk([], usage_dict(len(call.ids), completion, cached, report))
     yield b"data: [DONE]\n\n"

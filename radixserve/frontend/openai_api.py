@@ -15,10 +15,10 @@ from radixserve.frontend.errors import APIError
 from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.openai_common import (
     choice_rids,
+    chunk_event,
     fan_in,
     params_per_choice,
     server_state,
-    sse_event,
     start_stream,
     token_text,
     usage_dict,
@@ -114,11 +114,8 @@ class _CompletionCall:
         return _completion_logprobs(self.st, self.jobs[i][0], piece.input_logprobs, piece.input_top_logprobs, 0)
 
     def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        obj = {"id": self.cid, "object": "text_completion", "created": self.created,
-               "model": self.st.model_name, "choices": choices}
-        if self.body.stream_options and self.body.stream_options.include_usage:
-            obj["usage"] = usage
-        return sse_event(obj)
+        head = {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.st.model_name}
+        return chunk_event(head, choices, self.body.include_usage, usage)
 
 
 def _prepare_completion(st: ServerState, body: CompletionRequest) -> _CompletionCall:
@@ -191,6 +188,6 @@ async def _completion_chunks(call: _CompletionCall) -> AsyncIterator[bytes]:
                 cached += piece.meta.cached_tokens
             if i == 0:
                 report = piece.meta.cache_report
-    if body.stream_options and body.stream_options.include_usage:
+    if body.include_usage:
         yield call.chunk([], usage_dict(call.prompt_tokens, completion, cached, report))
     yield b"data: [DONE]\n\n"

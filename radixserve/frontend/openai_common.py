@@ -33,6 +33,16 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def chunk_event(head: dict[str, Any], choices: list[dict[str, Any]], include_usage: bool,
+                usage: Any = None) -> bytes:
+    """One streamed chunk of an OpenAI response: ``head`` (id, object, created, model), the
+    choices' deltas, and ``usage`` (null until the last chunk) when the client asked for it."""
+    obj = {**head, "choices": choices}
+    if include_usage:
+        obj["usage"] = usage
+    return sse_event(obj)
+
+
 def params_per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
     """n choices: distinct seeds (the user's seed + i keeps them reproducible)."""
     if n == 1:

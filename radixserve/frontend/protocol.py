@@ -215,6 +215,11 @@ class _SamplingFields(RequestBody):
             return {"ebnf": self.ebnf}
         return {}
 
+    @property
+    def include_usage(self) -> bool:
+        """A streamed response ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def hints(self) -> SchedulingHints:
         """The cache namespace and priority level of this request."""
         return SchedulingHints(self.cache_salt or self.extra_key or "", self.priority or 0,

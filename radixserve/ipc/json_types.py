@@ -40,8 +40,9 @@ def _is_record(tp: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Record:
-    """A record type's fields: their annotations, fast tests, builders, and the required ones."""
+class Fields:
+    """A dataclass's fields as a JSON object carries them: their annotations, fast tests,
+    record builders, and the required ones (a message's, or a record's inside one)."""
 
     hints: dict[str, Any]
     tests: dict[str, Callable[[Any], bool]]
@@ -50,10 +51,10 @@ class _Record:
 
 
 @functools.cache
-def _record(tp: type) -> _Record:
+def fields_of(tp: type) -> Fields:
     hints = typing.get_type_hints(tp)
     fields = [f for f in dataclasses.fields(tp) if f.init]
-    return _Record(
+    return Fields(
         hints={f.name: hints[f.name] for f in fields},
         tests={f.name: compile_test(hints[f.name]) for f in fields},
         builds={f.name: b for f in fields if (b := compile_build(hints[f.name])) is not None},
@@ -62,14 +63,20 @@ def _record(tp: type) -> _Record:
     )
 
 
-def _build_record(tp: type, value: dict[str, Any]) -> Any:
-    rec = _record(tp)
+def check_fields(rec: Fields, value: dict[str, Any], head: str, where: Callable[[str], str]) -> None:
+    """The names and the types of ``value``'s fields; a ValueError starts with ``head`` for
+    wrong names, with ``where(name)`` for a wrong value."""
     names = value.keys()
     if not (rec.required <= names <= rec.hints.keys()):
-        raise ValueError(f": has fields {sorted(names)}, expected {sorted(rec.hints)}")
+        raise ValueError(f"{head} has fields {sorted(names)}, expected {sorted(rec.hints)}")
     for name, item in value.items():
         if not rec.tests[name](item):
-            raise ValueError(f".{name}{explain(rec.hints[name], item)}")
+            raise ValueError(f"{where(name)}{explain(rec.hints[name], item)}")
+
+
+def _build_record(tp: type, value: dict[str, Any]) -> Any:
+    rec = fields_of(tp)
+    check_fields(rec, value, ":", ".{}".format)
     if rec.builds:
         value = dict(value)
         build_fields(rec.builds, value, ".{}".format)

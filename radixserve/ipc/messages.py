@@ -15,14 +15,13 @@ row with ``finished`` set (reason ``stop``, ``length`` or ``abort``), or an :cla
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
 
-from radixserve.ipc.json_types import build_fields, compile_build, compile_test, explain
+from radixserve.ipc.json_types import build_fields, check_fields, fields_of
 from radixserve.sampling.params import SamplingParams
 
 _REGISTRY: dict[str, type] = {}
@@ -37,17 +36,8 @@ def message(tag: str, rows: bool = False) -> Callable[[type], type]:
 
     def wrap(cls: type) -> type:
         cls = dataclass(cls)
-        hints = typing.get_type_hints(cls)
         cls.TYPE = tag
-        cls._FIELDS = {f.name for f in fields(cls)}
-        cls._REQUIRED = {
-            f.name
-            for f in fields(cls)
-            if f.default is MISSING and f.default_factory is MISSING
-        }
-        cls._HINTS = {f.name: hints[f.name] for f in fields(cls)}
-        cls._TESTS = {f.name: compile_test(hints[f.name]) for f in fields(cls)}
-        cls._BUILDS = {f.name: b for f in fields(cls) if (b := compile_build(hints[f.name])) is not None}
+        cls._FIELDS = fields_of(cls)
         cls._ROWS = [f.name for f in fields(cls)] if rows else []
         _REGISTRY[tag] = cls
         return cls
@@ -57,7 +47,7 @@ def message(tag: str, rows: bool = False) -> Callable[[type], type]:
 
 def encode(msg: Any) -> bytes:
     payload = {"type": type(msg).TYPE}
-    payload.update({name: getattr(msg, name) for name in type(msg)._FIELDS})
+    payload.update({name: getattr(msg, name) for name in type(msg)._FIELDS.hints})
     # Records (dataclasses) are written as objects; int keys (a logit bias) as strings.
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
@@ -71,19 +61,11 @@ def decode(data: bytes) -> Any:
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ValueError(f"unknown message type {tag!r}")
-    names = set(payload)
-    if names - cls._FIELDS or cls._REQUIRED - names:
-        raise ValueError(
-            f"message {tag!r} has fields {sorted(names)}, expected {sorted(cls._FIELDS)}"
-        )
-    tests = cls._TESTS
-    for name, value in payload.items():
-        if not tests[name](value):
-            err = explain(cls._HINTS[name], value)
-            raise ValueError(f"message {tag!r}: field {name!r}{err}")
+    where = f"message {tag!r}: field {{!r}}".format
+    check_fields(cls._FIELDS, payload, f"message {tag!r}", where)
     if cls._ROWS:
         _check_rows(tag, cls, payload)
-    build_fields(cls._BUILDS, payload, lambda name: f"message {tag!r}: field {name!r}")
+    build_fields(cls._FIELDS.builds, payload, where)
     return cls(**payload)
 
 
@@ -105,7 +87,7 @@ def _check_rows(tag: str, cls: type, payload: dict[str, Any]) -> None:
     n = len(payload[cls._ROWS[0]])
     for name in cls._ROWS[1:]:
         k = len(payload[name]) if name in payload else 0
-        if k != n and not (k == 0 and name not in cls._REQUIRED):
+        if k != n and not (k == 0 and name not in cls._FIELDS.required):
             raise ValueError(
                 f"message {tag!r}: field {name!r} has {k} rows, {cls._ROWS[0]!r} has {n}"
             )
