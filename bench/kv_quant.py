@@ -104,7 +104,7 @@ def prompt_set(tokenizer: Any, args: argparse.Namespace) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from radixserve.config import cpu_bf16_feature
+    from radixserve.hardware import cpu_bf16_feature
     from radixserve.model.default_model import default_model_path
     from radixserve.tokenizer import load_tokenizer
 

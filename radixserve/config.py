@@ -7,6 +7,14 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from radixserve.hardware import (  # config.cpu_bf16_feature is what resolve() reads (tests patch it)
+    _torch_cuda,
+    cpu_bf16_feature,
+    resolve_quantization,
+    torch_build_has_cuda,
+    torch_build_version,
+)
+
 # Weight formats of --quantization (radixserve/quantization/).
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
 
@@ -25,69 +33,11 @@ SPECULATIVE_ALGORITHMS = ("ngram",)  # scheduler/speculative.py
 DEFAULT_SPECULATIVE_NUM_DRAFT_TOKENS = 8
 
 
-def cpu_bf16_feature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The CPU feature that makes bfloat16 matmuls fast here ("AMX", "AVX-512 BF16"), or None.
-    Without one, torch emulates bfloat16 and float32 is faster."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return None
-    if "amx_bf16" in flags:
-        return "AMX"
-    if "avx512_bf16" in flags:
-        return "AVX-512 BF16"
-    return None
-
-
-def _torch_version_fields() -> dict[str, str | None]:
-    """``torch/version.py``'s fields, read as text: importing torch takes 1-2 s, which a CPU
-    build (whose ``cuda`` and ``hip`` are None) never needs to know it has no GPU."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    fields: dict[str, str | None] = {}
-    if spec is None or not spec.submodule_search_locations:
-        return fields
-    try:
-        with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")) as f:
-            for line in f:
-                name, sep, value = line.partition("=")
-                name = name.split(":")[0].strip()
-                if sep and name in ("__version__", "cuda", "hip"):
-                    value = value.strip()
-                    fields[name] = None if value == "None" else value.strip("'\"")
-    except OSError:
-        pass
-    return fields
-
-
-def torch_build_has_cuda() -> bool:
-    """Whether the installed torch is a CUDA (or ROCm) build; True when that cannot be read."""
-    fields = _torch_version_fields()
-    return "cuda" not in fields or fields.get("cuda") is not None or fields.get("hip") is not None
-
-
-def torch_build_version() -> str:
-    return _torch_version_fields().get("__version__") or "unknown"
-
-
-def _torch_cuda() -> Any:
-    import torch
-
-    return torch.cuda
-
-
-def resolve_quantization(mode: str, gguf_path: str | None, on_cpu: bool, tp_size: int) -> str:
-    """``mode`` with ``auto`` resolved: ``gguf`` for a model from ``gguf_path`` (None: not a
-    GGUF; see :func:`model.gguf_index.gguf_source`) that has Q4_0 / Q4_1 / Q8_0 tensors, on a CPU,
-    one rank; else ``none``."""
-    if mode != "auto":
-        return mode
-    from radixserve.model.gguf_index import served_tensor_count
-
-    usable = gguf_path is not None and on_cpu and tp_size == 1
-    return "gguf" if usable and served_tensor_count(gguf_path) else "none"
+def setting(default: Any, help: str, **kw: Any) -> Any:
+    """A ``ServerArgs`` field with its help text: the CLI flag's ``--help`` and the
+    documentation of the Engine keyword, written once.  A computed default (None / "auto")
+    is described in the text; the CLI appends "(default: X)" for the others."""
+    return dataclasses.field(default=default, metadata={"help": help}, **kw)
 
 
 @dataclass(frozen=True)
@@ -97,58 +47,139 @@ class ServerArgs:
     ``None`` / ``"auto"`` fields are resolved by :meth:`resolve` before the processes start.
     """
 
-    model: str | None = None  # HF folder or .gguf file; None = embedded SmolLM2-135M-Instruct
-    tokenizer: str | None = None  # defaults to the model's
-    dtype: str = "auto"  # bfloat16 on GPU and on CPUs with AMX or AVX-512 BF16, else float32
-    device: str = "auto"  # cuda when available, else cpu
-    attention_backend: str = "auto"  # triton on GPU, torch on CPU
-    page_size: int | None = None  # tokens per KV page; 1 on CPU, 16 on GPU
-    max_total_tokens: int | None = None  # KV pool size in tokens; sized from memory when None
-    max_running_requests: int | None = None  # rows of the request-to-token table
-    max_prefill_tokens: int = 16384  # token budget of one prefill batch
-    chunked_prefill_size: int | None = None  # longest prefill chunk; 1024 on CPU, 8192 on GPU; -1 off
-    schedule_policy: str = "lpm"  # lpm, dfs-weight, fcfs, lof, random, priority (scheduler/policy.py)
-    schedule_policy_max_queue: int = 128  # lpm/dfs-weight act as fcfs above this many waiting requests
-    schedule_mode: str = "mixed"  # mixed: decodes share each step with a prefill chunk; prefill-first: prompts alone
-    schedule_low_priority_values_first: bool = False  # priority policy: smaller values first (vLLM's order)
-    priority_preemption: bool = False  # priority policy: retract lower levels for a waiting request
-    radix_eviction_policy: str = "lru"  # lru, lfu or slru (scan resistant)
-    max_pinned_fraction: float = 0.5  # of the KV pool that pinned prefixes may hold
-    preemption_mode: str = "recompute"  # a retracted request's KV: recompute, or swap to the host tier
-    host_cache_size: int = 0  # host KV tier in tokens (0: none; swap mode without it: twice the pool)
-    disk_cache_dir: str | None = None  # disk KV tier folder (survives restarts); None: none
-    disk_cache_size: int = 1_000_000  # disk KV tier in tokens
-    disable_radix_cache: bool = False
-    tp_size: int = 1  # tensor-parallel ranks (processes), each with a shard of the model and KV
-    cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph; 256 on CUDA
-    disable_cuda_graph: bool = False  # run every decode eagerly on CUDA
-    load_format: str = "auto"  # "dummy": random weights from the model's config.json (benchmarks)
-    quantization: str = "auto"  # none, int8, int4, gguf (a GGUF's own blocks); auto: gguf for a GGUF on a CPU
-    speculative_algorithm: str | None = None  # "ngram": drafts from the radix tree and the request's own text
-    speculative_num_draft_tokens: int | None = None  # tokens per verify: the next one and N-1 drafts; 8 with ngram
-    speculative_ngram_min_match_window_size: int = 1  # shortest suffix matched against the request's text
-    speculative_ngram_max_match_window_size: int = 12  # longest suffix matched
-    speculative_disable_by_batch_size: int | None = None  # no drafts while more run; 4 on CPU, 64 on GPU
-    context_length: int | None = None  # defaults to the model's max_position_embeddings
-    random_seed: int = 0  # seeds the draw of per-request seeds when the user gives none
-    stream_interval: int = 1  # send streamed tokens every N decode steps
-    kv_cache_memory_fraction: float = 0.25  # of free host/GPU memory, when max_total_tokens is None
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 (a scale per token and head), fp8_e4m3, fp8_e5m2
-    log_level: str = "info"
-    host: str = "127.0.0.1"  # HTTP server address
-    port: int = 30000  # HTTP server port
-    served_model_name: str | None = None  # name in /v1/models; defaults to the model folder's
-    max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503
-    api_key: str | None = dataclasses.field(default=None, repr=False)  # HTTP requests need "Authorization: Bearer <key>"
-    startup_timeout: float = 600.0  # seconds to wait for the model to load
-    grammar_backend: str = "xgrammar"  # constrained decoding (json_schema/regex/ebnf); "none" refuses them
-    disable_jump_forward: bool = False  # decode grammar-forced text token by token
-    tool_call_parser: str = "auto"  # auto (detected from the chat template), hermes, qwen25, qwen3, llama3, mistral, prompted
-    reasoning_parser: str | None = None  # qwen3 or deepseek-r1: split <think> into reasoning_content
-    max_request_body_bytes: int = 16 * 1024 * 1024  # larger HTTP bodies get 413
-    cors_allow_origins: str | None = None  # comma-separated origins ("*" for any); CORS off when unset
-    slow_reader_timeout: float = 30.0  # a stream whose reader falls behind for this long is cut off
-
+    model: str | None = setting(
+        None,
+        "local HF folder (config.json + safetensors) or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = setting(None, "tokenizer folder (default: the model's)")
+    dtype: str = setting(
+        "auto",
+        "weights and KV dtype: auto (bfloat16 on GPU and on CPUs with AMX or AVX-512 BF16, else float32), "
+        "float32, bfloat16, float16")
+    device: str = setting("auto", "auto (cuda when available, else cpu), cpu or cuda")
+    attention_backend: str = setting("auto", "auto (triton on GPU, torch on CPU), torch or triton")
+    page_size: int | None = setting(None, "tokens per KV page (default: 1 on CPU, 16 on GPU)")
+    max_total_tokens: int | None = setting(
+        None,
+        "KV pool size in tokens (default: sized from free memory, see --kv-cache-memory-fraction)")
+    max_running_requests: int | None = setting(
+        None,
+        f"most requests running at once (default: {DEFAULT_MAX_RUNNING_REQUESTS})")
+    max_prefill_tokens: int = setting(16384, "token budget of one prefill batch")
+    chunked_prefill_size: int | None = setting(
+        None,
+        "longest prefill chunk; -1 off (default: 1024 on CPU, 8192 on GPU)")
+    schedule_policy: str = setting(
+        "lpm",
+        "waiting-queue order: lpm (longest cached prefix first), dfs-weight (finish one tree branch "
+        "while cached), fcfs, lof (longest output first), random, priority (the request's priority)")
+    schedule_policy_max_queue: int = setting(128, "lpm and dfs-weight act as fcfs above this many waiting requests")
+    schedule_mode: str = setting(
+        "mixed",
+        "mixed (default): each step runs the running requests' decodes together with the next "
+        "prefill chunk; prefill-first: a step with prompt work runs it alone and the decodes wait "
+        "(lower TTFT under arrivals, longer gaps between a stream's tokens)")
+    schedule_low_priority_values_first: bool = setting(
+        False,
+        "priority policy: smaller priority values go first (vLLM's order; "
+        "default: larger first, as SGLang)")
+    priority_preemption: bool = setting(
+        False,
+        "priority policy: retract running requests of lower priority when a waiting one "
+        "cannot be admitted")
+    radix_eviction_policy: str = setting(
+        "lru",
+        "prefix-cache eviction: lru, lfu, or slru (a prefix hit twice outlives one-off prompts)")
+    max_pinned_fraction: float = setting(0.5, "share of the KV pool that pinned prefixes (POST /cache/pin) may hold")
+    preemption_mode: str = setting(
+        "recompute",
+        "a request retracted when the KV pool is full: recompute its KV later, or swap it to the "
+        "host tier and back")
+    host_cache_size: int = setting(
+        0,
+        "host KV tier in tokens: pages evicted from the pool wait there (default: none; with "
+        "--preemption-mode swap: twice the pool)")
+    disk_cache_dir: str | None = setting(
+        None,
+        "disk KV tier folder: cached prefixes are written there and found again after a restart "
+        "(default: none)")
+    disk_cache_size: int = setting(1_000_000, "disk KV tier size in tokens")
+    disable_radix_cache: bool = setting(False, "turn the prefix cache off")
+    tp_size: int = setting(
+        1,
+        "tensor parallelism: split the model over N processes (gloo on a CPU, NCCL over N GPUs)")
+    cuda_graph_max_bs: int | None = setting(
+        None,
+        "largest decode batch replayed from a captured CUDA graph (default 256 on CUDA; 0: none)")
+    disable_cuda_graph: bool = setting(False, "run every decode step eagerly on CUDA (no graph capture)")
+    load_format: str = setting(
+        "auto",
+        "auto (the model's weights) or dummy (random weights from its config.json, for benchmarks)")
+    quantization: str = setting(
+        "auto",
+        "weight-only matmuls on a CPU: none; int8 (a scale and an offset per 32 weights, "
+        "~3x less weight memory than float32); int4 (blocks of 32, d*q+m, ~6x less); gguf (a .gguf model's "
+        "Q4_0/Q4_1/Q8_0 tensors as stored: the weights float32 computes with); auto (gguf "
+        "where the model has such tensors, else none)")
+    speculative_algorithm: str | None = setting(
+        None,
+        "speculative decoding: ngram (drafts from the radix tree and the request's own "
+        "prompt and output, verified in one extend; output unchanged), or unset (off)")
+    speculative_num_draft_tokens: int | None = setting(
+        None,
+        "tokens per speculative verify: the next token and N-1 drafts (default: 8)")
+    speculative_ngram_min_match_window_size: int = setting(
+        1,
+        "ngram: shortest suffix of the request matched against its text")
+    speculative_ngram_max_match_window_size: int = setting(
+        12,
+        "ngram: longest suffix matched (the longest match wins)")
+    speculative_disable_by_batch_size: int | None = setting(
+        None,
+        "no drafts in a step with more running requests than this "
+        "(default: 4 on CPU, 64 on GPU)")
+    context_length: int | None = setting(None, "longest sequence (default: the model's max_position_embeddings)")
+    random_seed: int = setting(0, "seed of the seeds drawn for requests that give none")
+    stream_interval: int = setting(1, "send streamed tokens every N steps")
+    kv_cache_memory_fraction: float = setting(
+        0.25,
+        "share of free memory for the KV pool when --max-total-tokens is unset")
+    kv_cache_dtype: str = setting(
+        "auto",
+        "element type of the KV cache: auto (the model's dtype), int8 (symmetric, a float16 scale "
+        "per token and head: 1.94x the tokens of bfloat16 in the same memory, 3.88x float32's), "
+        "fp8_e4m3 or fp8_e5m2 (unit scale, saturated: 2x / 4x)")
+    log_level: str = setting("info", "debug, info, warning, error")
+    host: str = setting("127.0.0.1", "HTTP server address")
+    port: int = setting(30000, "HTTP server port")
+    served_model_name: str | None = setting(
+        None,
+        "model name reported by /v1/models and accepted in requests (default: the model folder's name)")
+    max_queued_requests: int | None = setting(
+        None,
+        "waiting requests beyond which new ones get HTTP 503 (default: unlimited)")
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer <key>' on HTTP requests (default: none)", repr=False)
+    startup_timeout: float = setting(600.0, "seconds to wait for the model to load")
+    grammar_backend: str = setting(
+        "xgrammar",
+        "constrained decoding backend: xgrammar, or none (json_schema/regex/ebnf refused)")
+    disable_jump_forward: bool = setting(
+        False,
+        "decode grammar-forced text token by token instead of appending it at once")
+    tool_call_parser: str = setting(
+        "auto",
+        "tool-call format: auto (from the chat template), hermes, qwen25, qwen3, llama3, mistral, prompted")
+    reasoning_parser: str | None = setting(
+        None,
+        "split <think> output into reasoning_content: qwen3 or deepseek-r1 (default: off)")
+    max_request_body_bytes: int = setting(16 * 1024 * 1024, "HTTP request bodies larger than this get 413")
+    cors_allow_origins: str | None = setting(
+        None,
+        "comma-separated origins allowed by CORS, '*' for any (default: CORS off)")
+    slow_reader_timeout: float = setting(
+        30.0,
+        "seconds a stream's reader may stay behind before the request is cut off")
     def __post_init__(self) -> None:
         self._check_choices_and_sizes()
         self._check_features()

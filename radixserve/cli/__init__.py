@@ -10,79 +10,7 @@ import os
 import sys
 from typing import Any
 
-from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs, env_default
-
-# Help per setting.  Settings whose default is computed (None / "auto" in ServerArgs) say
-# what it is here; the others get "(default: X)" appended.
-_HELP = {
-    "model": "local HF folder (config.json + safetensors) or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    "tokenizer": "tokenizer folder (default: the model's)",
-    "dtype": "weights and KV dtype: auto (bfloat16 on GPU and on CPUs with AMX or AVX-512 BF16, else float32), "
-             "float32, bfloat16, float16",
-    "device": "auto (cuda when available, else cpu), cpu or cuda",
-    "attention_backend": "auto (triton on GPU, torch on CPU), torch or triton",
-    "page_size": "tokens per KV page (default: 1 on CPU, 16 on GPU)",
-    "max_total_tokens": "KV pool size in tokens (default: sized from free memory, see --kv-cache-memory-fraction)",
-    "max_running_requests": f"most requests running at once (default: {DEFAULT_MAX_RUNNING_REQUESTS})",
-    "max_prefill_tokens": "token budget of one prefill batch",
-    "chunked_prefill_size": "longest prefill chunk; -1 off (default: 1024 on CPU, 8192 on GPU)",
-    "schedule_policy": "waiting-queue order: lpm (longest cached prefix first), dfs-weight (finish one tree branch "
-                       "while cached), fcfs, lof (longest output first), random, priority (the request's priority)",
-    "schedule_policy_max_queue": "lpm and dfs-weight act as fcfs above this many waiting requests",
-    "schedule_mode": "mixed (default): each step runs the running requests' decodes together with the next "
-                     "prefill chunk; prefill-first: a step with prompt work runs it alone and the decodes wait "
-                     "(lower TTFT under arrivals, longer gaps between a stream's tokens)",
-    "schedule_low_priority_values_first": "priority policy: smaller priority values go first (vLLM's order; "
-                                          "default: larger first, as SGLang)",
-    "priority_preemption": "priority policy: retract running requests of lower priority when a waiting one "
-                           "cannot be admitted",
-    "kv_cache_dtype": "element type of the KV cache: auto (the model's dtype), int8 (symmetric, a float16 scale "
-                      "per token and head: 1.94x the tokens of bfloat16 in the same memory, 3.88x float32's), "
-                      "fp8_e4m3 or fp8_e5m2 (unit scale, saturated: 2x / 4x)",
-    "max_pinned_fraction": "share of the KV pool that pinned prefixes (POST /cache/pin) may hold",
-    "preemption_mode": "a request retracted when the KV pool is full: recompute its KV later, or swap it to the "
-                       "host tier and back",
-    "host_cache_size": "host KV tier in tokens: pages evicted from the pool wait there (default: none; with "
-                       "--preemption-mode swap: twice the pool)",
-    "disk_cache_dir": "disk KV tier folder: cached prefixes are written there and found again after a restart "
-                      "(default: none)",
-    "disk_cache_size": "disk KV tier size in tokens",
-    "radix_eviction_policy": "prefix-cache eviction: lru, lfu, or slru (a prefix hit twice outlives one-off prompts)",
-    "disable_radix_cache": "turn the prefix cache off",
-    "tp_size": "tensor parallelism: split the model over N processes (gloo on a CPU, NCCL over N GPUs)",
-    "cuda_graph_max_bs": "largest decode batch replayed from a captured CUDA graph (default 256 on CUDA; 0: none)",
-    "disable_cuda_graph": "run every decode step eagerly on CUDA (no graph capture)",
-    "quantization": "weight-only matmuls on a CPU: none; int8 (a scale and an offset per 32 weights, "
-                    "~3x less weight memory than float32); int4 (blocks of 32, d*q+m, ~6x less); gguf (a .gguf model's "
-                    "Q4_0/Q4_1/Q8_0 tensors as stored: the weights float32 computes with); auto (gguf "
-                    "where the model has such tensors, else none)",
-    "speculative_algorithm": "speculative decoding: ngram (drafts from the radix tree and the request's own "
-                             "prompt and output, verified in one extend; output unchanged), or unset (off)",
-    "speculative_num_draft_tokens": "tokens per speculative verify: the next token and N-1 drafts (default: 8)",
-    "speculative_ngram_min_match_window_size": "ngram: shortest suffix of the request matched against its text",
-    "speculative_ngram_max_match_window_size": "ngram: longest suffix matched (the longest match wins)",
-    "speculative_disable_by_batch_size": "no drafts in a step with more running requests than this "
-                                         "(default: 4 on CPU, 64 on GPU)",
-    "load_format": "auto (the model's weights) or dummy (random weights from its config.json, for benchmarks)",
-    "context_length": "longest sequence (default: the model's max_position_embeddings)",
-    "random_seed": "seed of the seeds drawn for requests that give none",
-    "stream_interval": "send streamed tokens every N steps",
-    "kv_cache_memory_fraction": "share of free memory for the KV pool when --max-total-tokens is unset",
-    "log_level": "debug, info, warning, error",
-    "startup_timeout": "seconds to wait for the model to load",
-    "host": "HTTP server address",
-    "port": "HTTP server port",
-    "served_model_name": "model name reported by /v1/models and accepted in requests (default: the model folder's name)",
-    "max_queued_requests": "waiting requests beyond which new ones get HTTP 503 (default: unlimited)",
-    "api_key": "require 'Authorization: Bearer <key>' on HTTP requests (default: none)",
-    "grammar_backend": "constrained decoding backend: xgrammar, or none (json_schema/regex/ebnf refused)",
-    "disable_jump_forward": "decode grammar-forced text token by token instead of appending it at once",
-    "tool_call_parser": "tool-call format: auto (from the chat template), hermes, qwen25, qwen3, llama3, mistral, prompted",
-    "reasoning_parser": "split <think> output into reasoning_content: qwen3 or deepseek-r1 (default: off)",
-    "max_request_body_bytes": "HTTP request bodies larger than this get 413",
-    "cors_allow_origins": "comma-separated origins allowed by CORS, '*' for any (default: CORS off)",
-    "slow_reader_timeout": "seconds a stream's reader may stay behind before the request is cut off",
-}
+from radixserve.config import ServerArgs, env_default
 
 # Settings of the HTTP server only: not offered by `generate` and a local `chat`.
 SERVER_ONLY = ("host", "port", "api_key", "max_queued_requests", "served_model_name",
@@ -99,7 +27,7 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             continue
         flag = "--" + f.name.replace("_", "-")
         default = env_default(f.name, (defaults or {}).get(f.name, f.default))
-        help_text = _HELP.get(f.name, "")
+        help_text = f.metadata["help"]
         if default is not None and f.type not in ("bool", bool):
             help_text += f" (default: {default})"
         if f.type in ("bool", bool):

@@ -13,7 +13,7 @@ HTTP 400 with an OpenAI-style body (see ``errors.py``).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -50,12 +50,12 @@ from radixserve.schema.base import (
     NAME_PATTERN,
     UNSUPPORTED,
     Body,
-    Int64,
     RequestBody,
     check_json_schema,
     reject,
     unsupported,
 )
+from radixserve.schema.sampling import sampling_fields_model, sampling_values
 
 __all__ = [
     "IGNORED_FIELDS",
@@ -79,17 +79,16 @@ __all__ = [
     "check_json_schema",
 ]
 
-StopField = str | list[str] | None
-
-
 class StreamOptions(Body):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM: usage on every chunk
     include_obfuscation: StrictBool | None = None  # ignored (IGNORED_FIELDS)
 
 
-class _SamplingFields(RequestBody):
-    """Sampling fields shared by both OpenAI routes (plus SGLang's and vLLM's extensions)."""
+class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
+    """Fields shared by both OpenAI routes.  The sampling fields themselves (``temperature``,
+    ``stop``, SGLang's and vLLM's ``top_k``, ``min_tokens``, ...) come from ``SamplingParams``'
+    specs (``radixserve/schema/sampling.py``), with their bounds and checks."""
 
     SGLANG_ROUTE: ClassVar[str] = ""  # which fields of ``SGLANG_FIELDS`` the route takes
 
@@ -97,23 +96,7 @@ class _SamplingFields(RequestBody):
     n: StrictInt = Field(1, ge=1, le=16)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StopField = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: Int64 | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
     user: str | None = None  # ignored
-    # SGLang / vLLM extensions
-    top_k: Int64 | None = None
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    min_tokens: StrictInt | None = Field(None, ge=0, le=INT64_MAX)  # sampling min_new_tokens
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]] | None = None
-    ignore_eos: StrictBool | None = None
-    skip_special_tokens: StrictBool | None = None
-    no_stop_trim: StrictBool | None = None  # keep the matched stop string in the output
     # Cache namespace (vLLM's name): prefixes are shared only with requests of the same salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_EXTRA_KEY_CHARS)
     extra_key: str | None = Field(None, max_length=MAX_EXTRA_KEY_CHARS)  # SGLang's name for it
@@ -133,33 +116,6 @@ class _SamplingFields(RequestBody):
     @classmethod
     def _sglang_fields(cls, data: Any) -> Any:
         return take_sglang_fields(data, cls.SGLANG_ROUTE)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: StopField) -> StopField:
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 16:
-            raise ValueError("at most 16 stop sequences")
-        if any(s == "" for s in items):
-            raise ValueError("stop sequences must be non-empty strings")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int | None) -> int | None:
-        if v is not None and (v == 0 or v < -1):
-            raise ValueError("top_k must be -1 (off) or >= 1")
-        return v
 
     @field_validator("json_schema")
     @classmethod
@@ -226,27 +182,8 @@ class _SamplingFields(RequestBody):
                                cache_report=self.return_cache_report)
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
-        """SGLang sampling_params for this body (None values mean "default")."""
-        d: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "min_new_tokens": self.min_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids,
-            "repetition_penalty": self.repetition_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-            "seed": self.seed,
-            "ignore_eos": self.ignore_eos,
-            "skip_special_tokens": self.skip_special_tokens,
-            "no_stop_trim": self.no_stop_trim,
-            **self.grammar_fields(),
-        }
-        if self.logit_bias:
-            d["logit_bias"] = {int(k): float(b) for k, b in self.logit_bias.items()}
+        """SGLang sampling_params for this body (what it leaves out takes the default)."""
+        d = {"max_new_tokens": max_new_tokens, **sampling_values(self), **self.grammar_fields()}
         return {k: v for k, v in d.items() if v is not None}
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from radixserve.config import resolve_quantization
 from radixserve.distributed.group import SINGLE, TensorParallel
+from radixserve.hardware import resolve_quantization
 from radixserve.model import get_model_class
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder import CausalLM

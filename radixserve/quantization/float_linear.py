@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve import cpu_ext
-from radixserve.config import cpu_bf16_feature
+from radixserve.hardware import cpu_bf16_feature
 
 KERNEL_MAX_ROWS = 8  # rows of a step that the quantized weights' C++ kernels take (weights.py)
 

@@ -118,7 +118,7 @@ def dtype_note(args: Any) -> str:
     kv = "" if args.kv_cache_dtype == "auto" else f", KV cache {args.kv_cache_dtype}"
     if args.device != "cpu":
         return args.dtype + kv
-    from radixserve.config import cpu_bf16_feature
+    from radixserve.hardware import cpu_bf16_feature
 
     feature = cpu_bf16_feature()
     return f"{args.dtype} (CPU bfloat16 instructions: {feature or 'none'}){kv}"
