@@ -168,11 +168,11 @@ def test_retraction_mid_prefill_keeps_collected_logprobs(tiny_model_dir, page_si
     long_prompt = prompts(1, 100, 100, seed=22)[0]
     rid = submit(sched, long_prompt, start=3, top_n=1, max_new_tokens=4)
     req = sched.reqs[rid]
-    while req.computed_len < 48:
+    while req.kv.computed_len < 48:
         sched.step()
     assert sched.chunked is req and req.prompt_logprobs.pending
     collected = len(req.prompt_logprobs.logprobs)
-    assert collected == req.computed_len - 3 + 1  # logits at q give token q + 1: positions [3, computed_len]
+    assert collected == req.kv.computed_len - 3 + 1  # logits at q give token q + 1: positions [3, computed_len]
     # What reserve_decode_slots does to a partly prefilled request when pages run out.
     retract(req, sched.kv)
     sched.chunked = None

@@ -57,8 +57,8 @@ def check_drafts_freed(step: int, sched: Any) -> None:
     ps = sched.page_size
     for req in sched.running:
         assert req.spec is None or req.spec.draft == []
-        assert req.allocated_len <= -(-req.fill_len // ps) * ps, req
-        assert req.computed_len == req.fill_len - req.remaining_extend
+        assert req.kv.allocated_len <= -(-req.fill_len // ps) * ps, req
+        assert req.kv.computed_len == req.fill_len - req.remaining_extend
 
 
 def check_greedy_against_hf(folder: str, sched: Any, reqs: list[list[int]], max_new: int) -> dict[str, Any]:

@@ -94,7 +94,7 @@ class PrefillAdder:
             # No chunking: a long prompt runs alone rather than never.
             return want if not self.plan.entries else None
         # Chunk ends on a page boundary so the tree can take the computed part.
-        n = self.kv.aligned(req.computed_len + limit) - req.computed_len
+        n = self.kv.aligned(req.kv.computed_len + limit) - req.kv.computed_len
         return n if n > 0 else None
 
     def add_chunked(self, req: Req) -> bool:
@@ -140,9 +140,9 @@ class PrefillAdder:
         if n is None or not self._fits(req, n, reserve if n == req.remaining_extend else 0):
             self.kv.release(req, cache=False)
             return "stop"
-        if req.cached_tokens is None:
-            req.cached_tokens = req.cached_len
-            req.cached_by_tier = req.cached_split if self.kv.tiers is not None else None
+        if req.hit.tokens is None:
+            req.hit.tokens = req.kv.tree_len
+            req.hit.by_tier = req.hit.split if self.kv.tiers is not None else None
         req.state = ReqState.PREFILLING
         self.kv.drop_swap_hold(req)  # its own lock holds the prefix now
         self._take(req, n, reserve if n == req.remaining_extend else 0)

@@ -86,13 +86,13 @@ class SchedulerControl:
     def record_near_miss(self, req: Req) -> None:
         """Its match stopped inside a long cached sequence: keep the spot for people to see
         (``/cache/misses``; a re-rendered chat history is the usual cause)."""
-        assert req.divergence is not None
+        assert req.hit.divergence is not None
         self.stats.near_misses += 1
         self.near_misses.append({"rid": req.rid, "time": time.time(), "salted": bool(req.extra_key),
-                                 "prompt_tokens": req.prompt_len, **req.divergence.to_dict()})
+                                 "prompt_tokens": req.prompt_len, **req.hit.divergence.to_dict()})
 
     def live_requests(self) -> list[Req]:
-        return [r for r in self.reqs.values() if r.row is not None]
+        return [r for r in self.reqs.values() if r.kv.row is not None]
 
     def check_memory(self) -> dict[str, Any]:
         idle = not self.has_work

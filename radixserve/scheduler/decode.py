@@ -19,8 +19,8 @@ def retract(req: Req, kv: KVManager) -> None:
     KV moves to the host tier now and is copied back on re-admission instead.
     """
     kv.release(req, cache=True, swap=True)
-    if req.tiers is not None:
-        req.tiers.checked = False  # look on disk again when it waits
+    if req.kv.tiers is not None:
+        req.kv.tiers.checked = False  # look on disk again when it waits
     req.state = ReqState.WAITING
     req.num_retractions += 1
 

@@ -44,8 +44,8 @@ class DiskTierMoves:
         """Store the request's full blocks in ``[0, computed_len)`` that the disk lacks (their KV is
         in the row: tree slots and the request's own)."""
         assert self.tiers is not None and self.disk is not None
-        state = req.tiers = req.tiers or ReqTiers()
-        names = self.tiers.block_names(state, req.tokens(0, req.computed_len), req.extra_key)
+        state = req.kv.tiers = req.kv.tiers or ReqTiers()
+        names = self.tiers.block_names(state, req.tokens(0, req.kv.computed_len), req.extra_key)
         if state.stored >= len(names):
             return
         bt = self.tiers.block_tokens
@@ -70,7 +70,7 @@ class DiskTierMoves:
         into blocks on disk, start loading them (the request waits for them: ``loading``)."""
         if self.disk is None or self.tiers is None:
             return
-        state = req.tiers = req.tiers or ReqTiers()
+        state = req.kv.tiers = req.kv.tiers or ReqTiers()
         if state.checked or state.load is not None:
             return
         state.checked = True
@@ -93,13 +93,13 @@ class DiskTierMoves:
 
     @staticmethod
     def loading(req: Req) -> bool:
-        return req.tiers is not None and req.tiers.load is not None
+        return req.kv.tiers is not None and req.kv.tiers.load is not None
 
     def land_loads(self, waiting: list[Req]) -> None:
         """Put the blocks of finished disk loads into the tree (host nodes, or device nodes
         without a host tier) and let their requests be admitted."""
         for req in waiting:
-            state = req.tiers
+            state = req.kv.tiers
             if state is None or state.load is None or not state.load.future.done():
                 continue
             load, state.load = state.load, None
@@ -116,10 +116,10 @@ class DiskTierMoves:
                 end = self._insert_blocks(req, load, result.blocks)
                 state.disk_tokens = max(0, end - load.matched)
                 found = self.tree.match_prefix(req.tokens(0, end), req.extra_key) if self.host else None
-                if found is not None and found.host_nodes and req.swap_hold is None:
+                if found is not None and found.host_nodes and req.kv.swap_hold is None:
                     # Held for the request on the host until it is admitted, as swapped-out KV is.
-                    req.swap_hold = found.host_nodes[-1]
-                    self.tree.inc_lock_ref(req.swap_hold)
+                    req.kv.swap_hold = found.host_nodes[-1]
+                    self.tree.inc_lock_ref(req.kv.swap_hold)
             self.tree.dec_lock_ref(load.node)
 
     def _insert_blocks(self, req: Req, load: DiskLoad, blocks: list[torch.Tensor]) -> int:

@@ -1,7 +1,7 @@
 """Glue between requests, the page allocator, the request-to-token table and the radix tree.
 
 The only code that moves slots between owners.  Owners of a page: the allocator (free), the
-tree (cached, maybe locked), or exactly one request (``[cached_len, allocated_len)`` of its row).
+tree (cached, maybe locked), or exactly one request (``[tree_len, allocated_len)`` of its row).
 With tiers (``cache/tiers``) it also promotes host nodes a request matched, and (``kv_disk.py``)
 writes the blocks that enter the tree to disk and loads a waiting request's stored blocks.
 """
@@ -51,7 +51,7 @@ class KVManager(DiskTierMoves):
 
     def new_pages_needed(self, req: Req, n: int) -> int:
         """Pages to allocate so that the row covers ``[0, computed_len + n)``."""
-        return max(0, self.pages_for(req.computed_len + n) - self.pages_for(req.allocated_len))
+        return max(0, self.pages_for(req.kv.computed_len + n) - self.pages_for(req.kv.allocated_len))
 
     def evict_pages(self, n_pages: int) -> None:
         if n_pages > 0:
@@ -92,24 +92,24 @@ class KVManager(DiskTierMoves):
         # Where the match stopped matters for a near-miss (a match that split a cached run) or
         # a report asked for.  An earlier attempt to admit the request may have made the split.
         split = self.tree.split_by_last_walk
-        if req.cached_tokens is None and (split or req.return_cache_report):
+        if req.hit.tokens is None and (split or req.return_cache_report):
             position = len(result.slots) + result.host_len
-            earlier = req.divergence
+            earlier = req.hit.divergence
             inside = split or (earlier is not None and earlier.inside_run and earlier.position == position)
-            req.divergence = divergence(deepest, position, req.tokens(0), inside)
+            req.hit.divergence = divergence(deepest, position, req.tokens(0), inside)
         slots, node, promoted = result.slots, result.node, 0
         if result.host_nodes:
             slots, node, promoted = self._promote(result.slots, result.node, result.host_nodes, page_budget)
         n = len(slots)
-        disk = min(req.tiers.disk_tokens, n) if req.tiers is not None else 0
+        disk = min(req.kv.tiers.disk_tokens, n) if req.kv.tiers is not None else 0
         host = max(0, promoted - disk)
-        req.cached_split = {"device": n - disk - host, "host": host, "disk": disk}
-        req.row = row
+        req.hit.split = {"device": n - disk - host, "host": host, "disk": disk}
+        req.kv.row = row
         # Row [0, n): tree slots of the cached prefix.
         if n:
             self.req_pool.write(row, 0, slots)
-        req.computed_len = req.cached_len = req.allocated_len = n
-        req.last_node = node
+        req.kv.computed_len = req.kv.tree_len = req.kv.allocated_len = n
+        req.kv.last_node = node
         self.tree.inc_lock_ref(node)
         if n and req.num_retractions == 0:  # a retracted request re-reading its own prefix is no hit
             self.tree.record_hit(node)
@@ -172,8 +172,8 @@ class KVManager(DiskTierMoves):
         counts = np.empty(len(grow), dtype=np.int64)
         for i, (req, pages) in enumerate(grow):
             # Row [allocated_len, allocated_len + pages * page_size): the request's new pages.
-            rows[i], starts[i], counts[i] = req.row, self.pages_for(req.allocated_len) * ps, pages * ps
-            req.allocated_len = int(starts[i] + counts[i])
+            rows[i], starts[i], counts[i] = req.kv.row, self.pages_for(req.kv.allocated_len) * ps, pages * ps
+            req.kv.allocated_len = int(starts[i] + counts[i])
         self.req_pool.write_runs(rows, starts, counts, slots)
         return True
 
@@ -183,44 +183,44 @@ class KVManager(DiskTierMoves):
         Row ``[keep, allocated_len)``, ``keep`` the end of the page holding ``fill_len - 1``:
         slots of rejected drafts, freed; ``[computed_len, keep)`` stays allocated (the next
         token's slot, and the rest of its page)."""
-        keep = max(self.pages_for(req.fill_len) * self.page_size, req.cached_len)
-        if req.allocated_len > keep:
-            self.allocator.free_slots(self.req_pool.read(req.row, keep, req.allocated_len))
-            req.allocated_len = keep
+        keep = max(self.pages_for(req.fill_len) * self.page_size, req.kv.tree_len)
+        if req.kv.allocated_len > keep:
+            self.allocator.free_slots(self.req_pool.read(req.kv.row, keep, req.kv.allocated_len))
+            req.kv.allocated_len = keep
 
     # ---- giving KV to the tree ---------------------------------------------------------
     def _insert(self, req: Req) -> int:
         """Insert the computed tokens ``fill_ids[:computed_len]``; free our duplicates of tree pages.
 
         Returns the page-aligned length now held by the tree.  Row regions afterwards:
-        ``[cached_len, present)`` were duplicates of tree pages: freed here;
+        ``[tree_len, present)`` were duplicates of tree pages: freed here;
         ``[present, aligned)`` now belong to the tree; ``[aligned, allocated_len)`` stay ours.
         """
-        aligned = self.aligned(req.computed_len)
-        if self.tree.disable or aligned <= req.cached_len:
-            return req.cached_len
-        row_slots = self.req_pool.read(req.row, 0, req.computed_len)
+        aligned = self.aligned(req.kv.computed_len)
+        if self.tree.disable or aligned <= req.kv.tree_len:
+            return req.kv.tree_len
+        row_slots = self.req_pool.read(req.kv.row, 0, req.kv.computed_len)
         if self.disk is not None:
             self._write_through(req, row_slots)
-        present = self.tree.insert(req.tokens(0, req.computed_len), row_slots, req.extra_key)
-        if present > req.cached_len:
-            self.allocator.free_slots(row_slots[req.cached_len : present])
+        present = self.tree.insert(req.tokens(0, req.kv.computed_len), row_slots, req.extra_key)
+        if present > req.kv.tree_len:
+            self.allocator.free_slots(row_slots[req.kv.tree_len : present])
         return aligned
 
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill chunk: share the computed prefix, keep decoding on tree slots."""
         aligned = self._insert(req)
-        if aligned == req.cached_len:
+        if aligned == req.kv.tree_len:
             return
         result = self.tree.match_prefix(req.tokens(0, aligned), req.extra_key)
         if len(result.slots) != aligned:
             raise RuntimeError(f"tree lost a just-inserted prefix of {req!r}")
-        # Row [0, aligned): the tree's slots (ours in [cached_len, present) were just freed).
-        self.req_pool.write(req.row, 0, result.slots)
+        # Row [0, aligned): the tree's slots (ours in [tree_len, present) were just freed).
+        self.req_pool.write(req.kv.row, 0, result.slots)
         self.tree.inc_lock_ref(result.node)
-        self.tree.dec_lock_ref(req.last_node)
-        req.last_node = result.node
-        req.cached_len = aligned
+        self.tree.dec_lock_ref(req.kv.last_node)
+        req.kv.last_node = result.node
+        req.kv.tree_len = aligned
 
     def release(self, req: Req, cache: bool, swap: bool = False) -> None:
         """Free the request's row and pages; with ``cache`` its computed KV goes to the tree,
@@ -229,43 +229,43 @@ class KVManager(DiskTierMoves):
 
         An aborted request is released with ``cache=False``: partial KV never enters the tree.
         """
-        if req.row is None:
+        if req.kv.row is None:
             return
-        keep_until = self._insert(req) if cache else req.cached_len
+        keep_until = self._insert(req) if cache else req.kv.tree_len
         tokens = req.tokens(0, keep_until) if swap and self.swap and keep_until > 0 else None
         # Row [keep_until, allocated_len): pages still ours after the insert; free them.
-        if req.allocated_len > keep_until:
-            tail = self.req_pool.read(req.row, keep_until, req.allocated_len)
+        if req.kv.allocated_len > keep_until:
+            tail = self.req_pool.read(req.kv.row, keep_until, req.kv.allocated_len)
             self.allocator.free_slots(tail)
-        self.tree.dec_lock_ref(req.last_node)
-        self.req_pool.free(req.row)
-        req.row = None
-        req.last_node = None
-        req.computed_len = req.cached_len = req.allocated_len = 0
+        self.tree.dec_lock_ref(req.kv.last_node)
+        self.req_pool.free(req.kv.row)
+        req.kv.row = None
+        req.kv.last_node = None
+        req.kv.computed_len = req.kv.tree_len = req.kv.allocated_len = 0
         if tokens is not None:  # the part no other request holds leaves the device now
             assert self.tiers is not None
             tip = self.tree.match_prefix(tokens, req.extra_key).node
             self.tiers.stats.swapped_out_tokens += self.tree.demote_path(tip)
             if tip.tier == HOST and tip.parent is not None:  # held for it until it is back (or aborted)
                 self.tree.inc_lock_ref(tip)
-                req.swap_hold = tip
+                req.kv.swap_hold = tip
 
     def drop_swap_hold(self, req: Req) -> None:
-        if req.swap_hold is not None:
-            self.tree.dec_lock_ref(req.swap_hold)
-            req.swap_hold = None
+        if req.kv.swap_hold is not None:
+            self.tree.dec_lock_ref(req.kv.swap_hold)
+            req.kv.swap_hold = None
 
     def forget_waiting(self, req: Req) -> None:
         """An aborted waiting request: let go of its swapped-out KV and of its disk load (the
         blocks are dropped on arrival)."""
         self.drop_swap_hold(req)
-        if req.tiers is not None and req.tiers.load is not None:
-            self.tree.dec_lock_ref(req.tiers.load.node)
-            req.tiers.load = None
+        if req.kv.tiers is not None and req.kv.tiers.load is not None:
+            self.tree.dec_lock_ref(req.kv.tiers.load.node)
+            req.kv.tiers.load = None
 
     # ---- checks ------------------------------------------------------------------------
     def owned_pages(self, reqs: list[Req]) -> int:
-        return sum((r.allocated_len - r.cached_len) // self.page_size for r in reqs if r.row is not None)
+        return sum((r.kv.allocated_len - r.kv.tree_len) // self.page_size for r in reqs if r.kv.row is not None)
 
     def check_invariant(self, reqs: list[Req], idle: bool) -> dict[str, int]:
         """free + tree + requests == all pages; no lock left when idle. Raises on violation."""

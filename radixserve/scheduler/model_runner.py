@@ -61,11 +61,11 @@ class ModelRunner:
     ) -> ForwardBatch:
         """Entry ``(req, n)`` computes ``fill_ids[computed_len : computed_len + n]`` of ``req``; the forward
         also returns the logits of the batch tokens ``extra_logits`` (after the last-token rows)."""
-        rows = [r.row for r, _ in entries]
-        prefix_lens = [r.computed_len for r, _ in entries]
+        rows = [r.kv.row for r, _ in entries]
+        prefix_lens = [r.kv.computed_len for r, _ in entries]
         extend_lens = [n for _, n in entries]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
-        input_ids = np.concatenate([r.tokens(r.computed_len, r.computed_len + n) for r, n in entries])
+        input_ids = np.concatenate([r.tokens(r.kv.computed_len, r.kv.computed_len + n) for r, n in entries])
         # Output slots: row[computed_len + i] for i < n, gathered from the host table in one op.
         row_idx = np.repeat(np.asarray(rows, dtype=np.int64), extend_lens)
         starts = np.cumsum(extend_lens) - np.asarray(extend_lens)

@@ -19,7 +19,7 @@ def rows_to_send(finished: list[Req], running: list[Req], stream_now: bool) -> l
     """The finished requests, and with ``stream_now`` the streaming ones with unsent tokens."""
     rows = list(finished)
     if stream_now:
-        rows += [r for r in running if r.stream and r.output_len > r.sent_len and not r.finished]
+        rows += [r for r in running if r.stream and r.output_len > r.out.sent_len and not r.finished]
     return rows
 
 
@@ -29,35 +29,35 @@ def token_out(rows: list[Req]) -> TokenOut:
     now = time.perf_counter()
     for req in rows:
         out.rids.append(req.rid)
-        out.new_ids.append(req.output_ids[req.sent_len :])
-        req.sent_len = req.output_len
+        out.new_ids.append(req.output_ids[req.out.sent_len :])
+        req.out.sent_len = req.output_len
         out.finished.append(req.finish_reason)
         out.meta.append(ReqMeta(
             prompt_tokens=req.prompt_len,
-            cached_tokens=req.cached_tokens or 0,
+            cached_tokens=req.hit.tokens or 0,
             completion_tokens=req.output_len,
             queue_time=req.queue_time,
             since_first_token=now - req.first_token_time if req.first_token_time else 0.0,
             pin=req.pin_result,
-            cached_tokens_details=req.cached_by_tier or None,
+            cached_tokens_details=req.hit.by_tier or None,
             cache_report=cache_report(req) if req.return_cache_report else None,
             spec=(req.spec.meta(req.output_len) if req.spec is not None else None) or None,
         ))
-        if req.sent_init:
+        if req.out.sent_init:
             out.init.append(None)
         else:
-            req.sent_init = True
+            req.out.sent_init = True
             p = req.params
             out.init.append(DetokSettings(p.stop, p.skip_special_tokens, p.no_stop_trim))
-        out.logprobs.append(req.pending_logprobs if req.return_logprob else None)
-        out.top_logprobs.append(req.pending_top_logprobs if req.return_logprob else None)
+        out.logprobs.append(req.out.logprobs if req.return_logprob else None)
+        out.top_logprobs.append(req.out.top_logprobs if req.return_logprob else None)
         attach_prompt_logprobs(out, req)
-        req.pending_logprobs, req.pending_top_logprobs = [], []
+        req.out.logprobs, req.out.top_logprobs = [], []
     return out
 
 
 def cache_report(req: Req) -> CacheReport:
     """Where the request's prefix match stopped (``return_cache_report``)."""
-    if req.divergence is None:
-        return CacheReport(req.cached_tokens or 0)
-    return CacheReport(req.cached_tokens or 0, **req.divergence.to_dict())
+    if req.hit.divergence is None:
+        return CacheReport(req.hit.tokens or 0)
+    return CacheReport(req.hit.tokens or 0, **req.hit.divergence.to_dict())

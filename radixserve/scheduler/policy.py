@@ -94,7 +94,7 @@ class SchedulePolicy:
             rows_short -= 1
             # Its own pages come back; its cached prefix stays in the tree (evictable once
             # nothing else holds it), so count its whole row.
-            pages_short -= kv.pages_for(req.allocated_len)
+            pages_short -= kv.pages_for(req.kv.allocated_len)
         return victims if rows_short <= 0 and pages_short <= 0 else []
 
 

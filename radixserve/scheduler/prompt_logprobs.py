@@ -60,17 +60,17 @@ def plan_rows(entries: list[tuple[Req, int]]) -> PromptLogprobPlan | None:
     for req, n in entries:
         state = req.prompt_logprobs
         if state is not None and state.pending:
-            if req.computed_len > state.next_pos:
+            if req.kv.computed_len > state.next_pos:
                 raise RuntimeError(
-                    f"{req!r} skipped prompt positions [{state.next_pos}, {req.computed_len}) whose "
+                    f"{req!r} skipped prompt positions [{state.next_pos}, {req.kv.computed_len}) whose "
                     "logits are owed; its prefix match should have stopped there"
                 )
             # Positions computed now: [computed_len, computed_len + n).  Owed: [next_pos, prompt_len - 1).
             # Rows: their intersection, [lo, hi).
             lo = state.next_pos
-            hi = min(req.computed_len + n, state.prompt_len - 1)
+            hi = min(req.kv.computed_len + n, state.prompt_len - 1)
             if lo < hi:
-                rows.append(np.arange(offset + lo - req.computed_len, offset + hi - req.computed_len, dtype=np.int64))
+                rows.append(np.arange(offset + lo - req.kv.computed_len, offset + hi - req.kv.computed_len, dtype=np.int64))
                 targets.append(np.asarray(req.tokens(lo + 1, hi + 1), dtype=np.int64))
                 owners.append((req, hi - lo))
         offset += n

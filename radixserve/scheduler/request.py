@@ -29,20 +29,57 @@ class ReqState(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class KVRow:
+    """The request's KV bookkeeping (lengths in tokens, see ``Req``)."""
+
+    row: int | None = None  # its row of the request-to-token table, while it holds KV
+    computed_len: int = 0
+    tree_len: int = 0
+    allocated_len: int = 0
+    last_node: TreeNode | None = None  # the tree node that locks ``[0, tree_len)``
+    # Its swapped-out KV, or the host nodes a disk load brought for it: locked while it waits.
+    swap_hold: TreeNode | None = None
+    tiers: ReqTiers | None = None  # disk blocks and loads (cache/tiers)
+
+
+@dataclass
+class CacheHit:
+    """What the prefix cache gave the request (``meta_info.cached_tokens``, the cache report)."""
+
+    tokens: int | None = None  # the tree hit at its first admission
+    by_tier: dict[str, int] | None = None  # that hit by the tier it came from
+    split: dict[str, int] = field(default_factory=dict)  # the split of the latest admission
+    divergence: Divergence | None = None  # where its first match stopped (cache/tree_view.py)
+
+
+@dataclass
+class Unsent:
+    """What the detokenizer has not been sent yet."""
+
+    sent_len: int = 0  # output tokens already sent
+    sent_init: bool = False  # the first output (with the prompt's meta) went out
+    logprobs: list[float] = field(default_factory=list)  # of the output tokens not sent yet
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
+
+
 class Req:
-    """Lengths vocabulary (all in tokens):
+    """One vocabulary of lengths, all in tokens:
 
-    ``fill_ids = prompt_ids + output_ids``: every token whose K/V should exist eventually.
-    ``computed_len``: tokens of ``fill_ids`` whose K/V is computed and written in the request's
-    row.
-    ``cached_len``: tokens at the start of the row whose slots belong to the radix tree (locked
-    through ``last_node``); page aligned.
-    ``allocated_len``: tokens of the row backed by slots; ``>= computed_len`` (the rest of the
-    last page).
+    ``fill_ids = prompt_ids + output_ids`` (``prompt_len + output_len = fill_len``): every
+    token whose K/V should exist eventually.  The KV bookkeeping is ``kv`` (:class:`KVRow`):
+    ``kv.computed_len``: tokens of ``fill_ids`` whose K/V is computed and written in the
+    request's row.
+    ``kv.tree_len``: tokens at the start of the row whose slots belong to the radix tree
+    (locked through ``kv.last_node``); page aligned.
+    ``kv.allocated_len``: tokens of the row backed by slots; ``>= computed_len`` (the rest of
+    the last page).
+    ``out.sent_len``: output tokens sent to the detokenizer.  ``hit.tokens`` (not a length of
+    the row): the prompt tokens its first admission found in the cache.
 
-    Row ``req_to_token[row]`` (the KV manager's host table; the device copy only receives):
-      ``[0, cached_len)``               tree slots, locked, never freed by the request
-      ``[cached_len, allocated_len)``   slots of pages the request owns, freed or given to the tree
+    Row ``req_to_token[kv.row]`` (the KV manager's host table; the device copy only receives):
+      ``[0, tree_len)``                 tree slots, locked, never freed by the request
+      ``[tree_len, allocated_len)``     slots of pages the request owns, freed or given to the tree
       ``[computed_len, allocated_len)`` allocated but not written yet (tail of the last page)
     """
 
@@ -83,26 +120,11 @@ class Req:
         self.arrival_time = time.perf_counter()
         self.queue_time: float | None = None  # seconds from arrival to first admission
         self.first_token_time: float | None = None  # perf_counter() at the first output token
-        # KV bookkeeping (see class docstring)
-        self.row: int | None = None
-        self.computed_len = 0
-        self.cached_len = 0
-        self.allocated_len = 0
-        self.last_node: TreeNode | None = None
-        # Stats and streaming
-        self.cached_tokens: int | None = None  # tree hit at first admission
-        self.cached_by_tier: dict[str, int] | None = None  # that hit by tier it came from
-        self.cached_split: dict[str, int] = {}  # the split of the latest admission
-        self.tiers: ReqTiers | None = None  # disk blocks and loads (cache/tiers)
-        # Its swapped-out KV, or the host nodes a disk load brought for it: locked while it waits.
-        self.swap_hold: TreeNode | None = None
+        self.kv = KVRow()
+        self.hit = CacheHit()
         self.return_cache_report = False
-        self.divergence: Divergence | None = None  # where its first match stopped (cache/tree_view.py)
         self.admit_seq = 0  # order of admission, for retraction (latest first)
-        self.sent_len = 0  # output tokens already sent to the detokenizer
-        self.sent_init = False
-        self.pending_logprobs: list[float] = []
-        self.pending_top_logprobs: list[list[list[float]]] = []
+        self.out = Unsent()
         self.num_retractions = 0
         # Constrained decoding (scheduler/constraints.py): the grammar's compilation, then
         # the request's matcher once it is compiled.
@@ -153,7 +175,7 @@ class Req:
     @property
     def remaining_extend(self) -> int:
         """Tokens still to compute before the request can sample (prefill left)."""
-        return self.fill_len - self.computed_len
+        return self.fill_len - self.kv.computed_len
 
     @property
     def finished(self) -> bool:
@@ -162,8 +184,8 @@ class Req:
     def __repr__(self) -> str:
         return (
             f"Req({self.rid!r}, {self.state.value}, prompt={self.prompt_len}, "
-            f"out={self.output_len}, computed={self.computed_len}, cached={self.cached_len}, "
-            f"allocated={self.allocated_len})"
+            f"out={self.output_len}, computed={self.kv.computed_len}, tree={self.kv.tree_len}, "
+            f"allocated={self.kv.allocated_len})"
         )
 
 

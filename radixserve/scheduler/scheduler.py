@@ -312,11 +312,11 @@ class Scheduler(SchedulerControl):
                     req.queue_time = time.perf_counter() - req.arrival_time
                 if req.num_retractions == 0:
                     self.stats.prompt_tokens += req.prompt_len
-                    self.stats.cached_tokens += req.cached_tokens or 0
-                    if req.divergence is not None and req.divergence.near_miss:
+                    self.stats.cached_tokens += req.hit.tokens or 0
+                    if req.hit.divergence is not None and req.hit.divergence.near_miss:
                         self.record_near_miss(req)
-                    if self.tiers is not None and req.cached_by_tier:
-                        for tier, n in req.cached_by_tier.items():
+                    if self.tiers is not None and req.hit.by_tier:
+                        for tier, n in req.hit.by_tier.items():
                             self.tiers.stats.cached_tokens[tier] += n
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
@@ -328,12 +328,12 @@ class Scheduler(SchedulerControl):
         # except prefill-only requests (max_new_tokens 0), which finish here with nothing
         # sampled: their prompt goes to the tree when they are released, like any finished
         # request's.  A decode with k drafts samples k + 1 rows (scheduler/speculative.py).
-        done = [i for i, (r, n) in enumerate(entries) if r.computed_len + n == r.fill_len + num_drafts(r)]
+        done = [i for i, (r, n) in enumerate(entries) if r.kv.computed_len + n == r.fill_len + num_drafts(r)]
         sample_idx = [i for i in done if entries[i][0].params.max_new_tokens > 0]
         drafts = {i: k for i in sample_idx if (k := num_drafts(entries[i][0]))}
         sample_logits = self.runner.forward(entries, sample_idx, drafts)
         for req, n in entries:
-            req.computed_len += n - num_drafts(req)  # accepted drafts are added once verified
+            req.kv.computed_len += n - num_drafts(req)  # accepted drafts are added once verified
         for i in done:
             if entries[i][0].params.max_new_tokens == 0:
                 entries[i][0].finish_reason = FinishReason("length", length=0)

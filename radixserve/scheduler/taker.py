@@ -43,8 +43,8 @@ class TokenTaker:
             taken += 1
             self.stats.generation_tokens += 1
             if req.return_logprob and out.logprobs is not None:
-                req.pending_logprobs.append(out.logprobs[row + j])
-                req.pending_top_logprobs.append(
+                req.out.logprobs.append(out.logprobs[row + j])
+                req.out.top_logprobs.append(
                     [[t, lp] for t, lp in out.top_logprobs[row + j]] if out.top_logprobs else []
                 )
             req.finish_reason = self.stop_checker.check(req)
@@ -56,7 +56,7 @@ class TokenTaker:
                 break
         if self.spec is not None and req.spec is not None and req.state == ReqState.RUNNING:
             kept = min(taken, accepted)  # accepted drafts that became output: their KV is kept
-            req.computed_len += kept
+            req.kv.computed_len += kept
             self.spec.record(req, kept)
             if not req.finished:
                 self.kv.trim(req)
