@@ -2,8 +2,9 @@
 
 The only code that moves slots between owners.  Owners of a page: the allocator (free), the
 tree (cached, maybe locked), or exactly one request (``[tree_len, allocated_len)`` of its row).
-With tiers (``cache/tiers``) it also promotes host nodes a request matched, and (``kv_disk.py``)
-writes the blocks that enter the tree to disk and loads a waiting request's stored blocks.
+With tiers it asks the tier manager (``cache/tiers``) to promote host nodes a request matched,
+swap a retracted request out, write the blocks that enter the tree to disk and load a waiting
+request's stored blocks: the moves are the tier manager's, the requests are the KV manager's.
 """
 
 from __future__ import annotations
@@ -15,17 +16,15 @@ import numpy as np
 from radixserve.cache.allocator import PageAllocator
 from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
-from radixserve.cache.tiers import TierManager
+from radixserve.cache.tiers import ReqTiers, TierManager
 from radixserve.cache.tree_check import check_tree
-from radixserve.cache.tree_node import HOST
 from radixserve.cache.tree_view import divergence
-from radixserve.scheduler.kv_disk import DiskTierMoves
 from radixserve.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 
 
-class KVManager(DiskTierMoves):
+class KVManager:
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, tree: RadixCache,
                  tiers: TierManager | None = None, swap: bool = False) -> None:
         self.allocator = allocator
@@ -37,6 +36,8 @@ class KVManager(DiskTierMoves):
         self.host = tiers is not None and tiers.host_pool is not None
         self.disk = tiers.disk if tiers is not None and not tree.disable else None
         self.swap = swap and self.host  # preemption by swapping the KV out to the host tier
+        if tiers is not None:
+            tiers.attach_device(allocator, self.evict_pages)
 
     # ---- capacity ----------------------------------------------------------------------
     def aligned(self, n: int) -> int:
@@ -99,7 +100,9 @@ class KVManager(DiskTierMoves):
             req.hit.divergence = divergence(deepest, position, req.tokens(0), inside)
         slots, node, promoted = result.slots, result.node, 0
         if result.host_nodes:
-            slots, node, promoted = self._promote(result.slots, result.node, result.host_nodes, page_budget)
+            assert self.tiers is not None
+            slots, node, promoted = self.tiers.promote_prefix(result.slots, result.node, result.host_nodes,
+                                                              page_budget)
         n = len(slots)
         disk = min(req.kv.tiers.disk_tokens, n) if req.kv.tiers is not None else 0
         host = max(0, promoted - disk)
@@ -114,38 +117,6 @@ class KVManager(DiskTierMoves):
         if n and req.num_retractions == 0:  # a retracted request re-reading its own prefix is no hit
             self.tree.record_hit(node)
         return True
-
-    def _promote(self, slots: np.ndarray, node: object, host_nodes: tuple, page_budget: int | None
-                 ) -> tuple[np.ndarray, object, int]:
-        """Copy the leading ``host_nodes`` that fit to the device, top down; return the
-        prefix's device slots, its deepest device node and the tokens promoted."""
-        assert self.tiers is not None
-        reserve = 0 if page_budget is None else max(0, self.available_pages() - page_budget)
-        self.tree.inc_lock_ref(host_nodes[-1])  # the path stays put while pages are evicted for it
-        budget = self.available_pages() - reserve
-        take, pages = [], 0
-        for host_node in host_nodes:
-            need = len(host_node.value) // self.page_size
-            if pages + need > budget:
-                break
-            take.append(host_node)
-            pages += need
-        short = pages - self.allocator.num_free_pages
-        if short > 0:
-            self.evict_pages(short)
-        device = self.allocator.alloc_pages(pages) if take else None
-        self.tree.dec_lock_ref(host_nodes[-1])
-        if not take:
-            return slots, node, 0
-        if device is None:
-            raise RuntimeError(f"promotion of {pages} pages failed within a budget of {budget}")
-        self.tiers.to_device(np.concatenate([h.value for h in take]), device)
-        at = 0
-        for host_node in take:
-            n = len(host_node.value)
-            self.tree.promote(host_node, device[at : at + n])
-            at += n
-        return np.concatenate([slots, device]), take[-1], at
 
     def ensure_slots(self, req: Req, n: int) -> bool:
         """Back row ``[computed_len, computed_len + n)`` with slots, evicting tree leaves if needed."""
@@ -201,7 +172,9 @@ class KVManager(DiskTierMoves):
             return req.kv.tree_len
         row_slots = self.req_pool.read(req.kv.row, 0, req.kv.computed_len)
         if self.disk is not None:
-            self._write_through(req, row_slots)
+            assert self.tiers is not None
+            state = req.kv.tiers = req.kv.tiers or ReqTiers()
+            self.tiers.write_through(state, req.tokens(0, req.kv.computed_len), req.extra_key, row_slots)
         present = self.tree.insert(req.tokens(0, req.kv.computed_len), row_slots, req.extra_key)
         if present > req.kv.tree_len:
             self.allocator.free_slots(row_slots[req.kv.tree_len : present])
@@ -244,11 +217,9 @@ class KVManager(DiskTierMoves):
         req.kv.computed_len = req.kv.tree_len = req.kv.allocated_len = 0
         if tokens is not None:  # the part no other request holds leaves the device now
             assert self.tiers is not None
-            tip = self.tree.match_prefix(tokens, req.extra_key).node
-            self.tiers.stats.swapped_out_tokens += self.tree.demote_path(tip)
-            if tip.tier == HOST and tip.parent is not None:  # held for it until it is back (or aborted)
-                self.tree.inc_lock_ref(tip)
-                req.kv.swap_hold = tip
+            held = self.tiers.swap_out(self.tree.match_prefix(tokens, req.extra_key).node)
+            if held is not None:  # held for it until it is back (or aborted)
+                req.kv.swap_hold = held
 
     def drop_swap_hold(self, req: Req) -> None:
         if req.kv.swap_hold is not None:
@@ -259,9 +230,34 @@ class KVManager(DiskTierMoves):
         """An aborted waiting request: let go of its swapped-out KV and of its disk load (the
         blocks are dropped on arrival)."""
         self.drop_swap_hold(req)
-        if req.kv.tiers is not None and req.kv.tiers.load is not None:
-            self.tree.dec_lock_ref(req.kv.tiers.load.node)
-            req.kv.tiers.load = None
+        if self.tiers is not None:
+            self.tiers.forget_load(req.kv.tiers)
+
+    # ---- the disk tier: a waiting request's stored blocks --------------------------------
+    def prefetch(self, req: Req) -> None:
+        """A request starts to wait: load the blocks of its prefix the disk has (see
+        ``TierManager.prefetch``)."""
+        if self.disk is None or self.tiers is None:
+            return
+        state = req.kv.tiers = req.kv.tiers or ReqTiers()
+        self.tiers.prefetch(state, req.tokens(0, self.match_limit(req)), req.extra_key)
+
+    @staticmethod
+    def loading(req: Req) -> bool:
+        """Its prefix is coming from disk: it waits."""
+        return TierManager.loading(req.kv.tiers)
+
+    def land_loads(self, waiting: list[Req]) -> None:
+        """Put the blocks of finished disk loads into the tree and let their requests be
+        admitted; a request's prefix that landed on the host is held for it."""
+        for req in waiting:
+            state = req.kv.tiers
+            if state is None or state.load is None or not state.load.future.done():
+                continue
+            assert self.tiers is not None
+            held = self.tiers.land(state, req.tokens(0), req.extra_key, hold=req.kv.swap_hold is None)
+            if held is not None:
+                req.kv.swap_hold = held
 
     # ---- checks ------------------------------------------------------------------------
     def owned_pages(self, reqs: list[Req]) -> int:
