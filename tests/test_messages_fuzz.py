@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.ipc import messages as m
+from radixserve.ipc.json_types import JsonObject, compile_test, explain
 from radixserve.sampling import SamplingParams
 
 MESSAGES = sorted(m._REGISTRY.values(), key=lambda c: c.TYPE)
@@ -43,6 +44,8 @@ def fits(value: Any, tp: Any) -> bool:
     """``value`` (decoded JSON) is a ``tp``: a bool is not an int, an int is a float."""
     if tp is Any:
         return True
+    if tp is JsonObject:  # every decoded object is a JSON document
+        return isinstance(value, dict)
     if dataclasses.is_dataclass(tp):
         try:
             built(value, tp)
@@ -152,6 +155,8 @@ def values_of(tp: Any) -> st.SearchStrategy[Any]:
         return JSON
     if tp is SamplingParams:
         return SAMPLING
+    if tp is JsonObject:
+        return st.dictionaries(st.text(max_size=5), JSON, max_size=3)
     if dataclasses.is_dataclass(tp):  # required fields always, the others sometimes
         hints = typing.get_type_hints(tp)
         fields = [f for f in dataclasses.fields(tp) if f.init]
@@ -322,11 +327,25 @@ META = {"prompt_tokens": 3, "cached_tokens": 1, "completion_tokens": 0, "queue_t
     ({"type": ["token_out"]}, "unknown message type"),
     ({"type": "control", "cid": "c"}, "expected ['cid', 'command']"),
     ({"type": "unpin", "cid": "c", "input_ids": [1, "2"]}, "'input_ids'[1]: expected an integer, got str"),
+    ({"type": "control_out", "cid": "c", "result": [1]}, "'result': expected an object, got list"),
 ])
 def test_wrong_types_are_named(payload: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=None) as e:
         m.decode(orjson.dumps(payload))
     assert fragment in str(e.value), str(e.value)
+
+
+def test_a_control_result_is_json_to_its_leaves() -> None:
+    """A JSON document (``ControlOut.result``) holds JSON values only: the type's check names a
+    set, a tuple or a non-string key deep inside."""
+    test = compile_test(JsonObject)
+    good = {"a": [1, 2.5, None, {"b": [True, "x"]}], "c": {}}
+    assert test(good) and explain(JsonObject, good) is None
+    for bad, where in [({"a": [1, {"b": {1, 2}}]}, "['a'][1]['b']: expected a JSON value, got set"),
+                       ({"a": (1, 2)}, "['a']: expected a JSON value, got tuple"),
+                       ({"a": {3: "x"}}, "['a']: a key that is not a string, 3"),
+                       ([1], ": expected an object, got list")]:
+        assert not test(bad) and explain(JsonObject, bad) == where
 
 
 def test_ints_are_floats_and_nulls_are_rows() -> None:

@@ -1,6 +1,6 @@
 """Type checks of decoded JSON values against annotations (the forms ``messages`` uses: str,
-int, float, bool, None, unions of them, ``list[...]``, ``dict[str, ...]``, ``Any``, and
-records: dataclasses, sent as JSON objects of their fields).
+int, float, bool, None, unions of them, ``list[...]``, ``dict[str, ...]``, ``Any``, records:
+dataclasses, sent as JSON objects of their fields, and ``JsonObject``: a JSON document).
 
 ``compile_test(tp)`` returns a fast ``value -> bool``; ``explain(tp, value)`` says what is
 wrong and where (``"[3][0]: expected an integer, got str"``), or None.  A record's fields are
@@ -29,6 +29,29 @@ from typing import Any
 _SCALARS = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
             type(None): "null"}
 _TEST_GLOBALS = {"_chain": itertools.chain.from_iterable}
+
+
+class JsonObject:
+    """Annotation of a JSON document served as it is (a control command's stats, tree view or
+    profile): an object whose values are JSON values down to the leaves (null, booleans,
+    numbers, strings, and lists and string-keyed objects of them), nothing else."""
+
+
+def _json_error(v: Any) -> str | None:
+    """Where ``v`` holds something other than a JSON value (``"['a'][2]: got set"``), or None."""
+    stack: list[tuple[str, Any]] = [("", v)]
+    while stack:
+        path, x = stack.pop()
+        if type(x) is dict:
+            for k, y in x.items():
+                if type(k) is not str:
+                    return f"{path}: a key that is not a string, {k!r}"
+                stack.append((f"{path}[{k!r}]", y))
+        elif type(x) is list:
+            stack.extend((f"{path}[{i}]", y) for i, y in enumerate(x))
+        elif type(x) not in _SCALARS:
+            return f"{path}: expected a JSON value, got {type(x).__name__}"
+    return None
 
 
 def _is_union(tp: Any) -> bool:
@@ -188,6 +211,8 @@ def compile_test(tp: Any) -> Callable[[Any], bool]:
     Level 0 is the field's value; each level below is gathered once into a list ``l<k>``
     from the level above, so every item is visited once.
     """
+    if tp is JsonObject:
+        return lambda v: type(v) is dict and _json_error(v) is None
     levels = _levels(tp)
     if not levels:
         return lambda v: True
@@ -212,6 +237,8 @@ def explain(tp: Any, v: Any) -> str | None:
     """What is wrong with ``v`` as a ``tp`` (None when nothing is); the slow twin of the test."""
     if tp is Any:
         return None
+    if tp is JsonObject:
+        return _json_error(v) if type(v) is dict else f": expected an object, got {_got(v)}"
     if _is_record(tp):
         return None if type(v) is dict else f": expected an object, got {_got(v)}"
     if tp in _SCALARS:

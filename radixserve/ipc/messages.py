@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from radixserve.ipc.json_types import build_fields, check_fields, fields_of
+from radixserve.ipc.json_types import JsonObject, build_fields, check_fields, fields_of
 from radixserve.sampling.params import SamplingParams
 
 _REGISTRY: dict[str, type] = {}
@@ -291,7 +291,7 @@ class ErrorOut:
 @message("control_out")
 class ControlOut:
     cid: str
-    result: dict[str, Any]
+    result: JsonObject  # served as it is (/server_info, /metrics, the cache views)
 
 
 # ---------------------------------------------------------------- detokenizer -> front end
