@@ -221,7 +221,7 @@ def run_radixserve(
             engine_settings=settings,
             memory_invariant_ok=bool(memory.get("ok")),
             stats=stats,
-            floor=floor_of(stats, dtype, engine.info["torch_threads"], wall, ctx),
+            floor=floor_of(stats, dtype, engine.info.torch_threads, wall, ctx),
         )
         if config == "radix" and args.overhead_check:
             if not engine.flush_cache():

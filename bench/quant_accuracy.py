@@ -65,7 +65,7 @@ def run_engine(settings: dict[str, Any], prompts: list[list[int]], reference: li
 
     params = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
     with Engine(**settings) as engine:
-        info = engine.info
+        info = engine.info.to_dict()
         outs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
         scored = reference or outs
         logprobs = []

@@ -201,7 +201,7 @@ def run_detokenizer_process(tokenizer_path: str, in_addr: str, out_addr: str, re
         logger.exception("detokenizer failed to start")
         ready_pipe.send(("error", f"detokenizer failed to start: {e!r}"))
         return
-    ready_pipe.send(("ready", {"pid": os.getpid()}))
+    ready_pipe.send(("ready", None))
     parent = os.getppid()
     while True:
         if not parent_alive(parent):

@@ -48,7 +48,7 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
-        self.info = info
+        self.info = info  # the ModelInfo record the scheduler reported
 
     # ---- plumbing ----------------------------------------------------------------------
     def _call(self, coro: Any) -> Any:

@@ -51,7 +51,7 @@ def test_greedy_matches_hf_and_second_request_hits_cache(engine, default_model_p
     # The tree holds the first request's KV: its prompt and all but its last output token
     # (never fed back); the second request is served the prefix both prompts share.
     first_kv = ids[0] + outs[0]["output_ids"][:-1]
-    shared = expected_cached_len(ids[1], [first_kv], engine.info["page_size"])
+    shared = expected_cached_len(ids[1], [first_kv], engine.info.page_size)
     assert shared > len(ids[0]) // 2  # the long system prompt
     assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, shared]
     stats = engine.get_stats()
@@ -159,7 +159,7 @@ def test_logprobs(engine) -> None:
 def test_prefill_only_with_and_without_cache_hit(engine) -> None:
     prompt = SYSTEM + "Question: what is the capital of Spain?"
     ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-    page = engine.info["page_size"]
+    page = engine.info.page_size
     assert engine.flush_cache()
     out = engine.generate(prompt, {"max_new_tokens": 0})
     assert out["text"] == "" and out["output_ids"] == []
@@ -183,7 +183,7 @@ def test_prefill_only_with_and_without_cache_hit(engine) -> None:
 
 def test_pin_keeps_a_prefix_and_unpin_releases_it(engine) -> None:
     assert engine.flush_cache()
-    page = engine.info["page_size"]
+    page = engine.info.page_size
     msgs = [{"role": "system", "content": SYSTEM}]
     pin = engine.pin(messages=msgs, ttl=600)
     ids = engine.tokenizer.encode(engine.apply_chat_template(msgs, add_generation_prompt=False),

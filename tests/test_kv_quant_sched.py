@@ -38,9 +38,9 @@ def test_pool_size_and_info_count_the_8bit_element(tiny_model_dir, kv: str) -> N
     sched = make_scheduler(folder, max_total_tokens=256, kv_cache_dtype=kv)
     pool = sched.runner.kv_pool
     assert pool.store_dtype.itemsize == 1 and pool.dtype.itemsize == 4
-    info = sched.info()
-    assert info["kv_cache_dtype"] == kv
-    assert info["kv_cache_bytes_per_token"] == pool.bytes_per_token
+    info = sched.info(tokenizer_path=folder, torch_threads=1)
+    assert info.kv_cache_dtype == kv
+    assert info.kv_cache_bytes_per_token == pool.bytes_per_token
     cfg = sched.model_config
     full = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.dtype)
     assert full / pool.bytes_per_token >= 3.5  # float32 model: about 4x the tokens per byte

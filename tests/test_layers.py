@@ -193,6 +193,7 @@ def test_messages_carry_typed_fields():
             return any(untyped(hints[f.name]) for f in dataclasses.fields(tp))
         return any(untyped(a) for a in typing.get_args(tp))
 
-    found = [f"{cls.__name__}.{f.name}" for cls in m._REGISTRY.values()
+    crossing = [*m._REGISTRY.values(), m.ModelInfo]  # ModelInfo: the scheduler's ready report
+    found = [f"{cls.__name__}.{f.name}" for cls in crossing
              for f in dataclasses.fields(cls) if untyped(typing.get_type_hints(cls)[f.name])]
     assert found == []

@@ -103,7 +103,7 @@ def test_engine_profiles_the_scheduler_process(tiny_chat_model) -> None:
     from radixserve.threads import scheduler_threads
 
     with Engine(model=tiny_chat_model, max_total_tokens=1024) as engine:
-        assert engine.info["torch_threads"] == scheduler_threads()[0]
+        assert engine.info.torch_threads == scheduler_threads()[0]
         with pytest.raises(RuntimeError, match="no profile is running"):
             engine.stop_profile()
         before = engine.get_stats()
@@ -112,7 +112,7 @@ def test_engine_profiles_the_scheduler_process(tiny_chat_model) -> None:
                         sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
         result = engine.stop_profile()
         after = engine.get_stats()
-        assert result["torch_threads"] == engine.info["torch_threads"]
+        assert result["torch_threads"] == engine.info.torch_threads
         memory = engine.check_memory()
         assert memory["ok"] and memory["locked_tokens"] == 0, memory
     assert_accounts_for_steps(result, after["forward_steps"] - before["forward_steps"],

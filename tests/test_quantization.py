@@ -174,7 +174,7 @@ def test_default_model_int8_through_the_engine(default_model_path: str) -> None:
     for quant in ("none", "int8"):
         with Engine(quantization=quant, max_total_tokens=4096) as engine:
             outs[quant] = engine.generate(prompt, params)["output_ids"]
-            assert engine.info["quantization"] == quant
+            assert engine.info.quantization == quant
             report = engine.check_memory()
             assert report["ok"] and report["locked_tokens"] == 0 and report["request_pages"] == 0, report
     assert outs["int8"] == outs["none"]

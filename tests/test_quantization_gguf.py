@@ -247,7 +247,7 @@ def test_default_model_blocks_through_the_engine(default_model_path: str) -> Non
     for quant in ("none", "auto"):
         with Engine(quantization=quant, dtype="float32", max_total_tokens=4096) as engine:
             outs[quant] = [engine.generate(p, params)["output_ids"] for p in prompts]
-            assert engine.info["quantization"] == ("gguf" if quant == "auto" else "none")
+            assert engine.info.quantization == ("gguf" if quant == "auto" else "none")
             report = engine.check_memory()
             assert report["ok"] and report["locked_tokens"] == 0 and report["request_pages"] == 0, report
     assert outs["auto"] == outs["none"]

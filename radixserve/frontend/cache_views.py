@@ -63,7 +63,7 @@ async def cache_tree(request: Request, sort: str = "weight", depth: int | None =
     if "error" in result:
         raise APIError(result["error"], 400, param="sort")
     result = expand(result)
-    result["pool"] = pool_numbers(await st.tm.control("stats"), st.info["page_size"])
+    result["pool"] = pool_numbers(await st.tm.control("stats"), st.info.page_size)
     tok = st.tokenizer
     for p in result["prefixes"]:
         p["head"] = _clip(tok.decode(p.pop("head_ids"), skip_special_tokens=False), True)

@@ -109,7 +109,7 @@ async def health(request: Request) -> Response:
 async def health_generate(request: Request) -> Response:
     st = _state(request)
     try:
-        ids, params = st.tm.prepare(None, [st.info["eos_token_ids"][0] if st.info["eos_token_ids"] else 0],
+        ids, params = st.tm.prepare(None, [st.info.eos_token_ids[0] if st.info.eos_token_ids else 0],
                                     {"max_new_tokens": 1, "temperature": 0})
         await asyncio.wait_for(collect(st.stream(ids, params, stream=False), request), HEALTH_GENERATE_TIMEOUT_S)
     except (RequestError, TimeoutError) as e:
@@ -132,17 +132,17 @@ async def server_info(request: Request) -> JSONBytesResponse:
         # SGLang's top-level keys (its /server_info is its server arguments and scheduler
         # info, flattened), the ones SGLang's router registers a worker with among them.
         "model_path": st.model_path,
-        "tokenizer_path": st.info.get("tokenizer_path"),
+        "tokenizer_path": st.info.tokenizer_path,
         "served_model_name": st.model_name,
-        "tp_size": st.info.get("tp_size", getattr(st.args, "tp_size", 1)),
+        "tp_size": st.info.tp_size,
         "dp_size": 1,
-        "context_length": st.info["context_length"],
-        "page_size": st.info.get("page_size", 1),
-        "max_total_num_tokens": st.info.get("max_total_tokens"),
-        "max_running_requests": st.info.get("max_running_requests"),
-        "speculative_algorithm": st.info.get("speculative_algorithm"),
+        "context_length": st.info.context_length,
+        "page_size": st.info.page_size,
+        "max_total_num_tokens": st.info.max_total_tokens,
+        "max_running_requests": st.info.max_running_requests,
+        "speculative_algorithm": st.info.speculative_algorithm,
         "server_args": args,
-        "model_info": st.info,
+        "model_info": st.info.to_dict(),
         "stats": stats,
         "memory": memory,
         "pins": pins,
@@ -159,7 +159,7 @@ async def model_info(request: Request) -> JSONBytesResponse:
     hf = _hf_config(st.model_path)
     return JSONBytesResponse({
         "model_path": st.model_path,
-        "tokenizer_path": st.info.get("tokenizer_path"),
+        "tokenizer_path": st.info.tokenizer_path,
         "is_generation": True,
         "model_type": hf.get("model_type"),
         "architectures": hf.get("architectures"),
@@ -168,9 +168,9 @@ async def model_info(request: Request) -> JSONBytesResponse:
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "served_model_name": st.model_name,
-        "context_length": st.info["context_length"],
-        "vocab_size": st.info["vocab_size"],
-        "eos_token_ids": st.info["eos_token_ids"],
+        "context_length": st.info.context_length,
+        "vocab_size": st.info.vocab_size,
+        "eos_token_ids": st.info.eos_token_ids,
         "has_chat_template": bool(getattr(st.tokenizer, "chat_template", None)),
     })
 
@@ -242,5 +242,5 @@ async def abort_request(body: AbortRequest, request: Request) -> JSONBytesRespon
 async def metrics(request: Request) -> Response:
     st = _state(request)
     stats = await st.tm.control("stats")
-    stats["page_size"] = st.info.get("page_size", 1)
+    stats["page_size"] = st.info.page_size
     return Response(st.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")

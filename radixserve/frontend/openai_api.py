@@ -40,7 +40,7 @@ async def models(request: Request) -> JSONBytesResponse:
         "data": [{
             "id": st.model_name, "object": "model", "created": int(st.started_at),
             "owned_by": "radixserve", "root": st.model_path, "parent": None,
-            "max_model_len": st.info["context_length"],
+            "max_model_len": st.info.context_length,
         }],
     })
 

@@ -36,6 +36,7 @@ from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
 from radixserve.frontend.state import ServerState
 from radixserve.ipc.launcher import ProcessGroup
+from radixserve.ipc.messages import ModelInfo
 from radixserve.logging_utils import configure_logging
 from radixserve.runtime.client import RuntimeClient
 from radixserve.threads import use_one_thread
@@ -45,7 +46,7 @@ GRACEFUL_SHUTDOWN_S = 5
 LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
-def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any],
+def create_app(args: ServerArgs, procs: ProcessGroup, info: ModelInfo,
                on_dead: Callable[[str], Any] | None = None) -> FastAPI:
     model_name = args.served_model_name or os.path.basename(os.path.normpath(procs.model_path))
 
@@ -76,7 +77,7 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: dict[str, Any],
     # plus queued); beyond that a flood is refused before bodies are read or tokenized.
     max_in_flight = None
     if args.max_queued_requests is not None:
-        max_in_flight = args.max_queued_requests + info["max_running_requests"]
+        max_in_flight = args.max_queued_requests + info.max_running_requests
     install_limits(app, max_body_bytes=args.max_request_body_bytes, max_in_flight=max_in_flight,
                    api_key=args.api_key, cors_allow_origins=args.cors_allow_origins)
     return app

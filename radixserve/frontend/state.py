@@ -17,6 +17,7 @@ from fastapi import Request
 from radixserve.config import ServerArgs
 from radixserve.frontend.errors import APIError, ClientGone
 from radixserve.frontend.metrics import Metrics
+from radixserve.ipc.messages import ModelInfo
 from radixserve.runtime.client import RuntimeClient
 from radixserve.runtime.pieces import Piece
 from radixserve.runtime.tokenizer_manager import SchedulingHints, TokenizerManager
@@ -52,7 +53,7 @@ def _error_param(e: ValueError, openai: bool, prompt_param: str | None) -> str |
 class ServerState:
     args: ServerArgs
     client: RuntimeClient
-    info: dict[str, Any]
+    info: ModelInfo
     model_name: str
     metrics: Metrics = field(default_factory=Metrics)
     started_at: float = field(default_factory=time.time)
@@ -99,7 +100,7 @@ class ServerState:
                  logprob_start_len: int) -> tuple[list[int], SamplingParams]:
         if self.shutting_down:
             raise APIError("the server is shutting down", 503)
-        ctx = self.info["context_length"]
+        ctx = self.info.context_length
         up_to_context = check_total and (sampling or {}).get("max_new_tokens") is None
         if up_to_context:  # an upper bound until the prompt's length is known
             sampling = {**(sampling or {}), "max_new_tokens": ctx}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.config import ServerArgs
+from radixserve.ipc import messages as m
 from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,11 +84,11 @@ class ProcessGroup:
         self.model_path = resolve_model_path(self.args.model)
         self.paths = IpcPaths(tempfile.mkdtemp(prefix="radixserve-"))
         self.procs: dict[str, mp.Process] = {}
-        self.info: dict[str, Any] = {}
+        self.info: m.ModelInfo | None = None
         self.tokenizer: Any = None  # the front end's, loaded by start()
         self._shutdown_lock = threading.Lock()  # a watchdog thread and the owner may both stop us
 
-    def start(self) -> dict[str, Any]:
+    def start(self) -> m.ModelInfo:
         """Start the processes (with ``tp_size > 1``, one more per extra tensor-parallel rank);
         return the scheduler's model info once all are ready."""
         from radixserve.detokenizer import run_detokenizer_process
@@ -133,19 +134,23 @@ class ProcessGroup:
             # alone takes seconds): a thread, since the waiting below only polls pipes.
             with ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenizer") as pool:
                 loading = pool.submit(load_tokenizer, tokenizer_path)
-                self.info = self._wait_ready({"scheduler": sched_r, "detokenizer": detok_r,
-                                              **rank_pipes})["scheduler"]
+                info = self._wait_ready({"scheduler": sched_r, "detokenizer": detok_r,
+                                         **rank_pipes})["scheduler"]
                 self.tokenizer = loading.result()
         except BaseException:
             self.shutdown()
             raise
-        self.info["tokenizer_path"] = tokenizer_path
+        if not isinstance(info, m.ModelInfo):
+            raise RuntimeError(f"the scheduler reported {type(info).__name__}, not its model info")
+        # The front end's tokenizer (the scheduler's may be the model's own).
+        self.info = dataclasses.replace(info, tokenizer_path=tokenizer_path)
         return self.info
 
-    def _wait_ready(self, pipes: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """Each process's ready payload; the first start-up error (or death) of any fails it."""
+    def _wait_ready(self, pipes: dict[str, Any]) -> dict[str, m.ModelInfo | None]:
+        """Each process's ready payload (the scheduler's model info; None from the others);
+        the first start-up error (or death) of any fails it."""
         deadline = time.monotonic() + self.args.startup_timeout
-        ready: dict[str, dict[str, Any]] = {}
+        ready: dict[str, m.ModelInfo | None] = {}
         while len(ready) < len(pipes):
             if time.monotonic() > deadline:
                 late = [name for name in pipes if name not in ready]

@@ -189,6 +189,33 @@ class ReqMeta:
 # ---------------------------------------------------------------- front end -> scheduler
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the scheduler reports once it is ready (through the launcher's pipe): the served
+    model and what it was given.  The front end and the Engine read it; ``to_dict`` is the
+    Engine's ``info`` and part of ``/server_info``."""
+
+    vocab_size: int
+    context_length: int
+    max_total_tokens: int  # the KV pool, in tokens
+    max_running_requests: int
+    page_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    kv_cache_dtype: str
+    kv_cache_bytes_per_token: int
+    device: str
+    attention_backend: str
+    tp_size: int
+    quantization: str
+    speculative_algorithm: str | None
+    tokenizer_path: str
+    torch_threads: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @message("generate")
 class GenerateReq:
     rid: str

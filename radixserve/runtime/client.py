@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from radixserve.ipc.launcher import ProcessGroup
+from radixserve.ipc.messages import ModelInfo
 from radixserve.runtime.jobs import Job
 from radixserve.runtime.native_output import LogprobRequest
 from radixserve.runtime.pieces import Piece
@@ -30,7 +31,7 @@ class RuntimeClient:
     ``down_prefix`` + the reason, and ``on_dead(reason)`` (a function or a coroutine function)
     runs."""
 
-    def __init__(self, procs: ProcessGroup, info: dict[str, Any], *, slow_reader_timeout: float = 30.0,
+    def __init__(self, procs: ProcessGroup, info: ModelInfo, *, slow_reader_timeout: float = 30.0,
                  down_prefix: str = "", down_note: str = "in-flight and later requests fail",
                  on_dead: Callable[[str], Any] | None = None) -> None:
         self.procs = procs

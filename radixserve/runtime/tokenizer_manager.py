@@ -114,7 +114,7 @@ class TokenizerManager:
     ``by_rid`` maps the client's ids of running requests to them (one running request
     per client id)."""
 
-    def __init__(self, tokenizer: Any, model_info: dict[str, Any], scheduler_addr: str, frontend_addr: str,
+    def __init__(self, tokenizer: Any, model_info: m.ModelInfo, scheduler_addr: str, frontend_addr: str,
                  slow_reader_timeout: float = 30.0) -> None:
         self.tokenizer = tokenizer
         self.info = model_info
@@ -165,11 +165,11 @@ class TokenizerManager:
             if not input_ids:
                 raise ValueError("the prompt is empty after tokenization")
         ids = check_input_ids(
-            input_ids, self.info["vocab_size"], self.info["context_length"], self.info["max_total_tokens"]
+            input_ids, self.info.vocab_size, self.info.context_length, self.info.max_total_tokens
         )
         check_logprob_start_len(logprob_start_len, len(ids))
         params = SamplingParams.from_dict(sampling_params)
-        params.validate_for_model(self.info["vocab_size"])
+        params.validate_for_model(self.info.vocab_size)
         return ids, params
 
     async def generate(

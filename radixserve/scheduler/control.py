@@ -65,23 +65,25 @@ class SchedulerControl:
     page_size: int
     stop_checker: StopChecker
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "vocab_size": self.vocab_size,
-            "context_length": self.context_len,
-            "max_total_tokens": self.pool_tokens,
-            "max_running_requests": self.max_running,
-            "page_size": self.page_size,
-            "eos_token_ids": sorted(self.stop_checker.eos_token_ids),
-            "dtype": self.args.dtype,
-            "kv_cache_dtype": self.runner.kv_pool.kv_cache_dtype,
-            "kv_cache_bytes_per_token": self.runner.kv_pool.bytes_per_token,
-            "device": self.args.device,
-            "attention_backend": self.args.attention_backend,
-            "tp_size": self.args.tp_size,
-            "quantization": self.args.quantization,
-            "speculative_algorithm": self.args.speculative_algorithm,
-        }
+    def info(self, tokenizer_path: str, torch_threads: int) -> m.ModelInfo:
+        return m.ModelInfo(
+            vocab_size=self.vocab_size,
+            context_length=self.context_len,
+            max_total_tokens=self.pool_tokens,
+            max_running_requests=self.max_running,
+            page_size=self.page_size,
+            eos_token_ids=sorted(self.stop_checker.eos_token_ids),
+            dtype=self.args.dtype,
+            kv_cache_dtype=self.runner.kv_pool.kv_cache_dtype,
+            kv_cache_bytes_per_token=self.runner.kv_pool.bytes_per_token,
+            device=self.args.device,
+            attention_backend=self.args.attention_backend,
+            tp_size=self.args.tp_size,
+            quantization=self.args.quantization,
+            speculative_algorithm=self.args.speculative_algorithm,
+            tokenizer_path=tokenizer_path,
+            torch_threads=torch_threads,
+        )
 
     def record_near_miss(self, req: Req) -> None:
         """Its match stopped inside a long cached sequence: keep the spot for people to see

@@ -153,12 +153,12 @@ def run_scheduler_process(
         "ready: %s, %d KV tokens (page %d), %d request rows, %d torch threads (%s), "
         "dtype %s, attention %s",
         model_path, sched.pool_tokens, sched.page_size, sched.max_running,
-        info["torch_threads"], threads_source, dtype_note(args), sched.runner.attention_path,
+        info.torch_threads, threads_source, dtype_note(args), sched.runner.attention_path,
     )
     _serve(sched, recv, send)
 
 
-def _start(args: ServerArgs, model_path: str, folder: str) -> tuple[Any, dict[str, Any], str]:
+def _start(args: ServerArgs, model_path: str, folder: str) -> tuple[Any, m.ModelInfo, str]:
     """Load the model (this rank's shard), build the scheduler; its start-up info."""
     import torch
 
@@ -185,10 +185,7 @@ def _start(args: ServerArgs, model_path: str, folder: str) -> tuple[Any, dict[st
     if tp.size > 1:
         sched.runner.link = WorkerLink(folder, tp.size)
         share_setup({"num_slots": sched.allocator.num_slots})
-    info = sched.info()
-    info["tokenizer_path"] = loaded.tokenizer_path
-    info["torch_threads"] = torch.get_num_threads()
-    return sched, info, threads_source
+    return sched, sched.info(loaded.tokenizer_path, torch.get_num_threads()), threads_source
 
 
 def _serve(sched: Any, recv: zmq.Socket, send: zmq.Socket) -> None:

@@ -146,7 +146,7 @@ def run_tp_worker_process(args: ServerArgs, model_path: str, rank: int, folder: 
         logger.exception("tensor-parallel rank %d failed to start", rank)
         ready_pipe.send(("error", f"tensor-parallel rank {rank} failed to start: {e!r}"))
         return
-    ready_pipe.send(("ready", {"rank": rank, "torch_threads": threads}))
+    ready_pipe.send(("ready", None))
     logger.info("ready: rank %d of %d (pid %d), %d KV heads, %d torch threads", rank, args.tp_size,
                 os.getpid(), loaded.model.num_local_kv_heads, threads)
     parent = os.getppid()
