@@ -141,7 +141,7 @@ class PrefillAdder:
             self.kv.release(req, cache=False)
             return "stop"
         if req.hit.tokens is None:
-            req.hit.tokens = req.kv.tree_len
+            req.hit.tokens = req.kv.cached_len
             req.hit.by_tier = req.hit.split if self.kv.tiers is not None else None
         req.state = ReqState.PREFILLING
         self.kv.drop_swap_hold(req)  # its own lock holds the prefix now

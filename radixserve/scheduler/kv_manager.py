@@ -1,7 +1,7 @@
 """Glue between requests, the page allocator, the request-to-token table and the radix tree.
 
 The only code that moves slots between owners.  Owners of a page: the allocator (free), the
-tree (cached, maybe locked), or exactly one request (``[tree_len, allocated_len)`` of its row).
+tree (cached, maybe locked), or exactly one request (``[cached_len, allocated_len)`` of its row).
 With tiers it asks the tier manager (``cache/tiers``) to promote host nodes a request matched,
 swap a retracted request out, write the blocks that enter the tree to disk and load a waiting
 request's stored blocks: the moves are the tier manager's, the requests are the KV manager's.
@@ -111,7 +111,7 @@ class KVManager:
         # Row [0, n): tree slots of the cached prefix.
         if n:
             self.req_pool.write(row, 0, slots)
-        req.kv.computed_len = req.kv.tree_len = req.kv.allocated_len = n
+        req.kv.computed_len = req.kv.cached_len = req.kv.allocated_len = n
         req.kv.last_node = node
         self.tree.inc_lock_ref(node)
         if n and req.num_retractions == 0:  # a retracted request re-reading its own prefix is no hit
@@ -154,7 +154,7 @@ class KVManager:
         Row ``[keep, allocated_len)``, ``keep`` the end of the page holding ``fill_len - 1``:
         slots of rejected drafts, freed; ``[computed_len, keep)`` stays allocated (the next
         token's slot, and the rest of its page)."""
-        keep = max(self.pages_for(req.fill_len) * self.page_size, req.kv.tree_len)
+        keep = max(self.pages_for(req.fill_len) * self.page_size, req.kv.cached_len)
         if req.kv.allocated_len > keep:
             self.allocator.free_slots(self.req_pool.read(req.kv.row, keep, req.kv.allocated_len))
             req.kv.allocated_len = keep
@@ -164,36 +164,36 @@ class KVManager:
         """Insert the computed tokens ``fill_ids[:computed_len]``; free our duplicates of tree pages.
 
         Returns the page-aligned length now held by the tree.  Row regions afterwards:
-        ``[tree_len, present)`` were duplicates of tree pages: freed here;
+        ``[cached_len, present)`` were duplicates of tree pages: freed here;
         ``[present, aligned)`` now belong to the tree; ``[aligned, allocated_len)`` stay ours.
         """
         aligned = self.aligned(req.kv.computed_len)
-        if self.tree.disable or aligned <= req.kv.tree_len:
-            return req.kv.tree_len
+        if self.tree.disable or aligned <= req.kv.cached_len:
+            return req.kv.cached_len
         row_slots = self.req_pool.read(req.kv.row, 0, req.kv.computed_len)
         if self.disk is not None:
             assert self.tiers is not None
             state = req.kv.tiers = req.kv.tiers or ReqTiers()
             self.tiers.write_through(state, req.tokens(0, req.kv.computed_len), req.extra_key, row_slots)
         present = self.tree.insert(req.tokens(0, req.kv.computed_len), row_slots, req.extra_key)
-        if present > req.kv.tree_len:
-            self.allocator.free_slots(row_slots[req.kv.tree_len : present])
+        if present > req.kv.cached_len:
+            self.allocator.free_slots(row_slots[req.kv.cached_len : present])
         return aligned
 
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill chunk: share the computed prefix, keep decoding on tree slots."""
         aligned = self._insert(req)
-        if aligned == req.kv.tree_len:
+        if aligned == req.kv.cached_len:
             return
         result = self.tree.match_prefix(req.tokens(0, aligned), req.extra_key)
         if len(result.slots) != aligned:
             raise RuntimeError(f"tree lost a just-inserted prefix of {req!r}")
-        # Row [0, aligned): the tree's slots (ours in [tree_len, present) were just freed).
+        # Row [0, aligned): the tree's slots (ours in [cached_len, present) were just freed).
         self.req_pool.write(req.kv.row, 0, result.slots)
         self.tree.inc_lock_ref(result.node)
         self.tree.dec_lock_ref(req.kv.last_node)
         req.kv.last_node = result.node
-        req.kv.tree_len = aligned
+        req.kv.cached_len = aligned
 
     def release(self, req: Req, cache: bool, swap: bool = False) -> None:
         """Free the request's row and pages; with ``cache`` its computed KV goes to the tree,
@@ -204,7 +204,7 @@ class KVManager:
         """
         if req.kv.row is None:
             return
-        keep_until = self._insert(req) if cache else req.kv.tree_len
+        keep_until = self._insert(req) if cache else req.kv.cached_len
         tokens = req.tokens(0, keep_until) if swap and self.swap and keep_until > 0 else None
         # Row [keep_until, allocated_len): pages still ours after the insert; free them.
         if req.kv.allocated_len > keep_until:
@@ -214,7 +214,7 @@ class KVManager:
         self.req_pool.free(req.kv.row)
         req.kv.row = None
         req.kv.last_node = None
-        req.kv.computed_len = req.kv.tree_len = req.kv.allocated_len = 0
+        req.kv.computed_len = req.kv.cached_len = req.kv.allocated_len = 0
         if tokens is not None:  # the part no other request holds leaves the device now
             assert self.tiers is not None
             held = self.tiers.swap_out(self.tree.match_prefix(tokens, req.extra_key).node)
@@ -261,7 +261,7 @@ class KVManager:
 
     # ---- checks ------------------------------------------------------------------------
     def owned_pages(self, reqs: list[Req]) -> int:
-        return sum((r.kv.allocated_len - r.kv.tree_len) // self.page_size for r in reqs if r.kv.row is not None)
+        return sum((r.kv.allocated_len - r.kv.cached_len) // self.page_size for r in reqs if r.kv.row is not None)
 
     def check_invariant(self, reqs: list[Req], idle: bool) -> dict[str, int]:
         """free + tree + requests == all pages; no lock left when idle. Raises on violation."""

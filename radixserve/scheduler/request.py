@@ -35,9 +35,9 @@ class KVRow:
 
     row: int | None = None  # its row of the request-to-token table, while it holds KV
     computed_len: int = 0
-    tree_len: int = 0
+    cached_len: int = 0
     allocated_len: int = 0
-    last_node: TreeNode | None = None  # the tree node that locks ``[0, tree_len)``
+    last_node: TreeNode | None = None  # the tree node that locks ``[0, cached_len)``
     # Its swapped-out KV, or the host nodes a disk load brought for it: locked while it waits.
     swap_hold: TreeNode | None = None
     tiers: ReqTiers | None = None  # disk blocks and loads (cache/tiers)
@@ -64,13 +64,13 @@ class Unsent:
 
 
 class Req:
-    """One vocabulary of lengths, all in tokens:
+    """One vocabulary of lengths, all in tokens (``cached`` is only ever the tree's part):
 
     ``fill_ids = prompt_ids + output_ids`` (``prompt_len + output_len = fill_len``): every
     token whose K/V should exist eventually.  The KV bookkeeping is ``kv`` (:class:`KVRow`):
     ``kv.computed_len``: tokens of ``fill_ids`` whose K/V is computed and written in the
     request's row.
-    ``kv.tree_len``: tokens at the start of the row whose slots belong to the radix tree
+    ``kv.cached_len``: tokens at the start of the row whose slots belong to the radix tree
     (locked through ``kv.last_node``); page aligned.
     ``kv.allocated_len``: tokens of the row backed by slots; ``>= computed_len`` (the rest of
     the last page).
@@ -78,8 +78,8 @@ class Req:
     the row): the prompt tokens its first admission found in the cache.
 
     Row ``req_to_token[kv.row]`` (the KV manager's host table; the device copy only receives):
-      ``[0, tree_len)``                 tree slots, locked, never freed by the request
-      ``[tree_len, allocated_len)``     slots of pages the request owns, freed or given to the tree
+      ``[0, cached_len)``               tree slots, locked, never freed by the request
+      ``[cached_len, allocated_len)``   slots of pages the request owns, freed or given to the tree
       ``[computed_len, allocated_len)`` allocated but not written yet (tail of the last page)
     """
 
@@ -184,7 +184,7 @@ class Req:
     def __repr__(self) -> str:
         return (
             f"Req({self.rid!r}, {self.state.value}, prompt={self.prompt_len}, "
-            f"out={self.output_len}, computed={self.kv.computed_len}, tree={self.kv.tree_len}, "
+            f"out={self.output_len}, computed={self.kv.computed_len}, cached={self.kv.cached_len}, "
             f"allocated={self.kv.allocated_len})"
         )
 

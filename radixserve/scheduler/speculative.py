@@ -173,7 +173,7 @@ class NgramSpeculator:
 
     def _find(self, req: Req, kv: KVManager, room: int) -> tuple[list[int], bool]:
         if self.use_tree and req.kv.last_node is not None:
-            found = tree_continuation(req.kv.last_node, req.tokens(req.kv.tree_len), kv.page_size, room)
+            found = tree_continuation(req.kv.last_node, req.tokens(req.kv.cached_len), kv.page_size, room)
             if found:
                 return found, True
         return context_continuation(req.tokens(0), self.min_window, self.max_window, room), False

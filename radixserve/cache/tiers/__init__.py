@@ -56,6 +56,9 @@ class TierManager:
         self.host_pool: KVPool | None = None
         self.host_alloc: PageAllocator | None = None
         self.tree: RadixCache | None = None
+        # The device side, given by the KV manager (attach_device).
+        self.device_alloc: PageAllocator | None = None
+        self.evict_device_pages: Callable[[int], None] | None = None
         if host_tokens > 0:
             pages = max(1, host_tokens // page_size)
             self.host_alloc = PageAllocator(pages, page_size)
@@ -126,7 +129,7 @@ class TierManager:
         """Copy the leading ``host_nodes`` of a match that fit to the device, top down, within
         ``page_budget`` device pages (None: as many as obtainable); return the prefix's device
         slots, its deepest device node and the tokens promoted."""
-        assert self.tree is not None
+        assert self.tree is not None and self.device_alloc is not None and self.evict_device_pages is not None
         obtainable = self.device_alloc.num_free_pages + self.tree.evictable_size() // self.page_size
         reserve = 0 if page_budget is None else max(0, obtainable - page_budget)
         self.tree.inc_lock_ref(host_nodes[-1])  # the path stays put while pages are evicted for it
@@ -264,7 +267,7 @@ class TierManager:
 
     def _insert_blocks(self, tokens: np.ndarray, namespace: str, load: DiskLoad, blocks: list[torch.Tensor]) -> int:
         """Insert loaded blocks after ``load.node``; return the end of the cached prefix."""
-        assert self.tree is not None
+        assert self.tree is not None and self.device_alloc is not None and self.evict_device_pages is not None
         bt, ps = self.block_tokens, self.page_size
         begin, end = load.start * bt, (load.start + len(blocks)) * bt
         pages = (end - begin) // ps
