@@ -55,10 +55,10 @@ OPENAI_SAMPLING: dict[str, tuple[str, Spec]] = {
 
 
 def _checked(name: str, spec: Spec) -> AfterValidator:
+    """The spec's check; the field keeps the value normalised as ``SamplingParams`` holds it
+    (a stop string as a list, logit_bias keys as ints)."""
     def check(value: Any) -> Any:
-        if value is not None:
-            spec.check(name, name, value, openai=True)
-        return value
+        return None if value is None else spec.check(name, name, value, openai=True)
 
     return AfterValidator(check)
 
@@ -77,10 +77,5 @@ def sampling_fields_model(base: type[BaseModel]) -> type[BaseModel]:
 
 
 def sampling_values(body: BaseModel) -> dict[str, Any]:
-    """The body's sampling fields under ``SamplingParams``' names, normalised as
-    ``SamplingParams`` holds them (None: not given)."""
-    out = {}
-    for openai, (name, spec) in OPENAI_SAMPLING.items():
-        value = getattr(body, openai)
-        out[name] = None if value is None else spec.check(openai, openai, value, openai=True)
-    return out
+    """The body's sampling fields under ``SamplingParams``' names (None: not given)."""
+    return {name: getattr(body, openai) for openai, (name, _) in OPENAI_SAMPLING.items()}
