@@ -1,11 +1,12 @@
-"""Scale-out on one machine: radixserve workers behind SGLang's router, and tensor parallelism.
+"""Scale-out on one machine: radixserve workers behind a router (smg, or its predecessor
+sglang-router with ``--router sglang-router``), and tensor parallelism.
 
 Routing (one run per configuration, same workload, every worker's cache flushed first): the
 shared-prefix workload with many groups (bench/workloads.py: interleaved, g0q0 g1q0 ... g0q1 ...;
 an odd number of groups, so that round-robin does not pin each group to one worker by
 accident), each worker's KV pool holding a little more than half of the groups' system
 prompts, so where a request lands decides whether its prefix is cached:
-- ``cache_aware``: 2 workers (1 thread each) behind ``sglang_router`` with its cache-aware
+- ``cache_aware``: 2 workers (1 thread each) behind the router with its cache-aware
   policy (it keeps an approximate prefix tree of what it sent where);
 - ``round_robin``: the same workers, the router alternating;
 - ``direct``: the same workers, no router, the client sends group g to worker g % 2 (perfect
@@ -60,13 +61,16 @@ TARGET_ROUTER_COST = 0.95  # cache_aware throughput / direct throughput
 ROUTER_FLAGS = ["--disable-circuit-breaker", "--log-level", "warn"]
 
 
-class Router(Launched):
-    """``sglang_router`` in front of ``workers``; ready once it lists all of them healthy."""
+ROUTERS = {"smg": "smg.launch_router", "sglang-router": "sglang_router.launch_router"}
 
-    def __init__(self, workers: list[str], policy: str, startup_timeout: float = 120.0) -> None:
+
+class Router(Launched):
+    """The router (``ROUTERS``) in front of ``workers``; ready once it lists all of them healthy."""
+
+    def __init__(self, workers: list[str], policy: str, router: str = "smg", startup_timeout: float = 120.0) -> None:
         port = free_port()
         self.workers = workers
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", ROUTERS[router], "--host", "127.0.0.1",
                "--port", str(port), "--policy", policy, "--worker-urls", *workers, *ROUTER_FLAGS,
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         super().__init__(f"router-{policy}", cmd, port, startup_timeout)
@@ -90,7 +94,7 @@ async def run_requests(bases: list[str], route: list[int], prompts: list[str], o
     start = time.perf_counter()
 
     async def one(i: int) -> RequestResult:
-        body = {"model": "default", "prompt": prompts[i], "max_tokens": output_len, "temperature": 0,
+        body = {"model": SERVED_MODEL, "prompt": prompts[i], "max_tokens": output_len, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         result = RequestResult(job=i, turn=0, requested_output=output_len)
         async with limit:
@@ -113,7 +117,7 @@ def post(url: str) -> None:
 
 def warm(base: str) -> None:
     """One short request, so a run does not pay a worker's first forward."""
-    body = json.dumps({"model": "default", "prompt": "Hello", "max_tokens": 2}).encode()
+    body = json.dumps({"model": SERVED_MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         r.read()
@@ -148,8 +152,12 @@ def measure(label: str, bases: list[str], route: list[int], workers: list[str], 
     return {"config": label, "summary": summary, "workers": per_worker}
 
 
+SERVED_MODEL = "default"  # the workers' model name, which smg routes by
+
+
 def worker_flags(args: argparse.Namespace, pool_tokens: int) -> list[str]:
     return ["--dtype", args.dtype, "--max-total-tokens", str(pool_tokens), "--log-level", "warning",
+            "--served-model-name", SERVED_MODEL,
             *(["--model", args.model] if args.model else [])]
 
 
@@ -160,7 +168,7 @@ def run_routing(args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str
             "question_len": work.question_len, "output_len": args.output_len,
             "requests": work.num_requests, "concurrency": args.concurrency,
             "ideal_hit_rate": 1 - work.unique_tokens / work.prompt_tokens,
-            "pool_tokens_per_worker": args.pool_tokens}
+            "pool_tokens_per_worker": args.pool_tokens, "router": args.router}
     if args.groups % 2 == 0:
         raise ValueError("--groups must be odd: in the interleaved order an even number of groups "
                          "gives each of 2 round-robin workers a fixed half of them")
@@ -174,7 +182,7 @@ def run_routing(args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str
         for url in urls:
             warm(url)
         for policy in args.policies:
-            router = Router(urls, policy)
+            router = Router(urls, policy, args.router)
             try:
                 rows.append(measure(policy, [router.base_url], [0] * work.num_requests, urls, prompts, args))
             finally:
@@ -276,6 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model folder (default: the embedded default model)")
     p.add_argument("--parts", default="routing,tp", help="routing, tp or both (comma-separated)")
     p.add_argument("--dtype", default="bfloat16", help="the routing workers' dtype")
+    p.add_argument("--router", choices=sorted(ROUTERS), default="smg", help="the router in front of the workers")
     p.add_argument("--policies", default="cache_aware,round_robin", help="router policies to run")
     p.add_argument("--groups", type=int, default=15, help="odd")
     p.add_argument("--questions", type=int, default=16, help="per group")
@@ -324,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text.append(f"Routing: {info['groups']} groups x {info['questions']} questions, system "
                     f"{info['system_len']} + question {info['question_len']} tokens, {info['output_len']} "
                     f"out, concurrency {info['concurrency']}, {info['pool_tokens_per_worker']} KV tokens "
-                    f"per worker, {args.dtype} (ideal hit rate {info['ideal_hit_rate']:.1%})\n"
+                    f"per worker, {args.dtype}, router {info['router']} (ideal hit rate {info['ideal_hit_rate']:.1%})\n"
                     + routing_table(rows))
     if "tp" in args.parts:
         rows = run_tp(args, tokenizer)

@@ -36,6 +36,7 @@ SEED = 0
 ROUTES = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions", "POST /generate",
           "GET /health", "GET /health_generate", "GET /get_server_info", "GET /server_info",
           "POST /flush_cache", "POST /abort_request", "GET /metrics", "GET /get_model_info", "GET /model_info", "GET /get_load",
+          "GET /v1/loads",
           "POST /apply_chat_template", "POST /concate_and_append_request", "POST /cache/pin",
           "POST /cache/unpin", "GET /cache/tree", "GET /cache/misses"}
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from helpers.assertions import expected_cached_len
+from helpers.assertions import assert_eventually, expected_cached_len
 from helpers.server import (
     memory_checked_after_each_test,
     openai_client,
@@ -261,3 +262,47 @@ def test_completions_echo_scores_the_prompt_with_max_tokens_0(server, tiny_chat_
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_v1_loads_reports_what_the_scheduler_holds(server, tiny_chat_model) -> None:
+    """SGLang's /v1/loads, which smg polls: idle, then with one request streaming (it runs,
+    holds its prompt and output in KV, and generates), then idle again with the prompt cached
+    (evictable: not in use); sections by ``include``; an unknown section is a 400."""
+    post(server, "/flush_cache", {})
+
+    def loads(include: str | None = None) -> dict[str, Any]:
+        r = httpx.get(server.base_url + "/v1/loads", params={"include": include} if include else None, timeout=30)
+        assert r.status_code == 200, r.text
+        (load,) = r.json()["loads"]
+        return load
+
+    info = server_info(server)
+    idle = loads()
+    assert idle["dp_rank"] == 0 and idle["num_running_reqs"] == idle["num_waiting_reqs"] == 0
+    assert idle["num_used_tokens"] == 0 and idle["token_usage"] == 0.0
+    assert idle["max_total_num_tokens"] == info["max_total_num_tokens"] == idle["memory"]["token_capacity"]
+    assert idle["max_running_requests"] == info["max_running_requests"]
+    assert idle["disaggregation"] == {"mode": "null"} and idle["queues"]["waiting"] == 0
+    assert set(loads("core")).isdisjoint({"memory", "disaggregation", "queues"})
+    assert set(loads("core,memory")) - set(loads("core")) == {"memory"}
+    err = httpx.get(server.base_url + "/v1/loads", params={"include": "core,gpu"}, timeout=30).json()["error"]
+    assert err["param"] == "include" and "'gpu'" in err["message"]
+
+    prompt = encode(tiny_chat_model, TEXT)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "stream": True}
+    with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=120) as s:
+        lines = s.iter_lines()
+        for _ in range(3):
+            next(lines)
+        busy = loads()
+        time.sleep(1.1)  # a second poll, at least a second later, measures the generation rate
+        rate = loads()["gen_throughput"]
+    assert busy["num_running_reqs"] == 1 and busy["num_waiting_reqs"] == 0
+    assert busy["num_used_tokens"] > len(prompt) and busy["num_total_tokens"] == busy["num_used_tokens"]
+    assert busy["token_usage"] == round(busy["num_used_tokens"] / busy["max_total_num_tokens"], 4)
+    assert rate > 0
+    # The closed stream aborted the request: nothing runs, and what it cached is evictable.
+    assert_eventually(lambda: loads()["num_running_reqs"] == 0, 20, "the abandoned request stops")
+    after = loads()
+    assert after["num_used_tokens"] == 0 and after["token_usage"] == 0.0
+    assert after["total_prefill_uncached_tokens"] >= len(prompt)

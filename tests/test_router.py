@@ -1,15 +1,17 @@
-"""radixserve workers behind SGLang's real router (``sglang-router``), end to end.
+"""radixserve workers behind the real routers, end to end: smg (SGLang Model Gateway) and its
+predecessor ``sglang-router``, each test once per router.
 
-Two ``radixserve serve`` workers and the router (``cache_aware``) are started once for the
-module.  Through the router, with the official ``openai`` client and httpx: chat,
-completions and ``/generate``, streamed or not, answer what a worker answers directly for the
-same greedy request; a repeated prefix is served from the cache of the worker the router sent
-it to; fields of SGLang's schemas that the router adds at their defaults are accepted, and
-one set to ask for a feature radixserve lacks is a 400 naming it while the worker keeps
-serving; a client that disconnects mid-stream frees the worker's pages; the router's own
-endpoints that reach the workers (``/workers``, ``/get_loads``, ``/get_model_info``,
-``/flush_cache``, ``/engine_metrics``) work; and with one worker killed the router answers
-from the other.  Needs the ``sglang-router`` package (a dev dependency).
+Two ``radixserve serve`` workers and the router (``cache_aware``) are started once per router.
+Through the router, with the official ``openai`` client and httpx: chat, completions and
+``/generate``, streamed or not, answer what a worker answers directly for the same greedy
+request; a repeated prefix is served from the cache of the worker the router sent it to;
+fields of SGLang's schemas that the router adds at their defaults are accepted, and one set to
+ask for a feature radixserve lacks is a 400 naming it while the worker keeps serving;
+radixserve's chat extensions pass through smg; a client that disconnects mid-stream frees the
+worker's pages; the router's own endpoints that reach the workers (``/workers``,
+``/get_loads`` from ``/v1/loads`` or ``/get_load``, ``/get_model_info``, ``/flush_cache``,
+``/engine_metrics``) work; and with one worker killed the router answers from the other.
+Needs the ``smg`` and ``sglang-router`` packages (dev dependencies).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import json
 import os
 import signal
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,7 +29,7 @@ import openai
 import psutil
 import pytest
 from helpers.assertions import assert_eventually
-from helpers.router import ROUTER_TEST_FLAGS, RouterProcess
+from helpers.router import ROUTER_TEST_FLAGS, ROUTERS, RouterProcess
 from helpers.server import ServerProcess, check_memory_idle, server_info
 
 WORKER_FLAGS = ("--served-model-name", "tiny", "--max-total-tokens", "20000", "--context-length", "1024")
@@ -45,15 +48,16 @@ class Cluster:
         return [w for i, w in enumerate(self.workers) if i not in self.killed]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_chat_model: str) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=sorted(ROUTERS))
+def cluster(tiny_chat_model: str, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     workers = [ServerProcess("--model", tiny_chat_model, *WORKER_FLAGS, env=WORKER_ENV) for _ in range(2)]
     router = None
     killed: set[int] = set()
     try:
         for w in workers:
             w.wait_ready()
-        router = RouterProcess([w.base_url for w in workers], *ROUTER_TEST_FLAGS).wait_ready(2)
+        router = RouterProcess([w.base_url for w in workers], *ROUTER_TEST_FLAGS[request.param],
+                                router=request.param).wait_ready(2)
         yield Cluster(workers, router, killed)
     finally:
         if router is not None:
@@ -108,15 +112,15 @@ def test_router_registers_workers_and_proxies_their_endpoints(cluster: Cluster, 
     assert set(listed) == {w.base_url for w in cluster.workers}
     for w in listed.values():  # from /server_info and /model_info
         assert w["is_healthy"] and w["model_id"] == "tiny", w
-        meta = w["metadata"]
+        meta = cluster.router.labels(w)
         assert meta["model_path"] == tiny_chat_model and meta["served_model_name"] == "tiny"
         assert meta["tp_size"] == "1" and meta["dp_size"] == "1" and meta["model_type"] == "llama"
     assert [m["id"] for m in httpx.get(router + "/v1/models", timeout=10).json()["data"]] == ["tiny"]
     info = httpx.get(router + "/get_model_info", timeout=10).json()
     assert info["model_path"] == tiny_chat_model and info["architectures"] == ["LlamaForCausalLM"]
-    # /get_loads asks every worker's /get_load (-1 when it cannot read one).
-    loads = httpx.get(router + "/get_loads", timeout=10).json()["workers"]
-    assert sorted(x["worker"] for x in loads) == sorted(listed) and all(x["load"] == 0 for x in loads), loads
+    # /get_loads asks every worker's load (/v1/loads or /get_load).
+    loads = cluster.router.wait_loads(lambda loads: len(loads) == 2)
+    assert sorted(loads) == sorted(listed) and set(loads.values()) == {0}, loads
 
     # One request reaches one worker: it has finished requests, the other none, and the
     # router still merges their metrics (label names agree), then flushes both caches.
@@ -125,8 +129,9 @@ def test_router_registers_workers_and_proxies_their_endpoints(cluster: Cluster, 
     assert sorted(stats(w)["tree_tokens"] > 0 for w in cluster.workers) == [False, True]
     metrics = httpx.get(router + "/engine_metrics", timeout=10)
     assert metrics.status_code == 200, metrics.text
+    name = cluster.router.metric_name("radixserve:requests_total")
     for w in cluster.workers:
-        assert f'radixserve_requests_total{{finish_reason="length",worker_addr="{w.base_url}"}}' in metrics.text
+        assert f'{name}{{finish_reason="length",worker_addr="{w.base_url}"}}' in metrics.text
     flush(cluster)
     assert [stats(w)["tree_tokens"] for w in cluster.workers] == [0, 0]
 
@@ -158,10 +163,14 @@ def test_chat_through_router_matches_the_worker_and_reuses_the_cache(cluster: Cl
     page = server_info(cluster.workers[0])["model_info"]["page_size"]
     assert usage.prompt_tokens == first.usage.prompt_tokens > 40
     assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // page * page
-    # A chat request without a model: the router names it "unknown", which a worker accepts.
+    # A chat request without a model: smg refuses it (OpenAI's schema requires one);
+    # sglang-router names it "unknown", which a worker accepts.
     r = httpx.post(cluster.router.base_url + "/v1/chat/completions", timeout=60,
                    json={"messages": msgs, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answer, r.text
+    if cluster.router.router == "smg":
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    else:
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answer, r.text
 
 
 def test_completions_through_router_match_the_worker(cluster: Cluster, routed: openai.OpenAI) -> None:
@@ -223,6 +232,30 @@ def test_unsupported_sglang_field_is_a_400_naming_it_and_workers_keep_serving(
     assert all(w["is_healthy"] for w in cluster.router.workers())
 
 
+def test_radixserve_chat_extensions_pass_through_smg(cluster: Cluster) -> None:
+    """smg forwards the chat route's fields it does not know (``cache_salt``,
+    ``return_cache_report``); sglang-router rebuilds the body from SGLang's schema and drops
+    them (they pass on /v1/completions and /generate there)."""
+    flush(cluster)
+    salt = uuid.uuid4().hex
+
+    def chat(salt: str) -> dict:
+        body = {"model": "tiny", "messages": chat_messages("Which salt?"), "max_tokens": 2, "temperature": 0,
+                "cache_salt": salt, "return_cache_report": True}
+        r = httpx.post(cluster.router.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    first, again, other = chat(salt), chat(salt), chat(salt + "-other")
+    assert again["prompt_tokens_details"]["cached_tokens"] > 40  # the same worker, the same namespace
+    if cluster.router.router == "smg":
+        assert other["prompt_tokens_details"]["cached_tokens"] == 0  # another namespace
+        assert first["cache_report"]["cached_tokens"] == 0 and again["cache_report"]["cached_tokens"] > 40
+    else:
+        assert other["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens_details"]["cached_tokens"]
+        assert "cache_report" not in first
+
+
 def test_client_disconnect_through_router_frees_the_worker_pages(cluster: Cluster) -> None:
     router = cluster.router.base_url
     aborted = [stats(w)["requests_aborted"] for w in cluster.workers]
@@ -239,8 +272,9 @@ def test_client_disconnect_through_router_frees_the_worker_pages(cluster: Cluste
         assert len(busy) == 1, loads  # the request runs on one worker, counted with its tokens
         # Its prompt and at least the first streamed token.
         assert loads[busy[0]]["num_tokens"] > prompt_tokens and loads[busy[0]]["num_waiting_reqs"] == 0
-        routed_loads = {x["worker"]: x["load"] for x in httpx.get(router + "/get_loads", timeout=10).json()["workers"]}
-        assert routed_loads[cluster.workers[busy[0]].base_url] > prompt_tokens
+        url = cluster.workers[busy[0]].base_url
+        loads = cluster.router.wait_loads(lambda loads: loads.get(url, 0) > prompt_tokens)
+        assert loads[url] > prompt_tokens, loads
     # The router closed its connection to the worker, which aborted the request.
     worker = cluster.workers[busy[0]]
     assert_eventually(lambda: stats(worker)["running"] == 0, 20, "the abandoned request stops")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# SGLang's router (pip install "radixserve[router]") in front of the N workers of workers.sh,
-# with its cache-aware policy, on 127.0.0.1:$PORT (clients talk to it as to one server):
+# smg, SGLang's model gateway (pip install "radixserve[router]"), in front of the N workers of
+# workers.sh, with its cache-aware policy, on 127.0.0.1:$PORT (clients talk to it as to one
+# server).  ROUTER=sglang_router runs its predecessor, sglang-router, with the same flags:
 #
 #   examples/cluster/router.sh 2                         # http://127.0.0.1:30000 -> 30001, 30002
 #   PORT=40000 examples/cluster/router.sh 4 --balance-abs-threshold 32
@@ -17,7 +18,7 @@ for i in $(seq 1 "$n"); do urls+=("http://127.0.0.1:$(( port + i ))"); done
 # rotation; health checks every 5 s take out a dead worker after two misses, and a request
 # sent to it is retried (backing off from 200 ms) long enough to land on a live one.
 # The router's metrics listen on loopback, beside its own port.
-exec python -m sglang_router.launch_router \
+exec python -m "${ROUTER:-smg}.launch_router" \
   --host 127.0.0.1 --port "$port" --worker-urls "${urls[@]}" \
   --policy cache_aware --cache-threshold 0.3 \
   --balance-abs-threshold 64 --balance-rel-threshold 1.5 \

@@ -1,8 +1,8 @@
 """SGLang-style native routes: /generate, /health, /health_generate, /server_info,
-/get_model_info, /get_load, /flush_cache, /abort_request, /concate_and_append_request, /metrics,
-and radixserve's /apply_chat_template.  Together they are what SGLang's frontend language
-(``sglang.RuntimeEndpoint``) and SGLang's router (``sglang-router``: /health, /server_info,
-/model_info, /get_load, /flush_cache, /metrics) call."""
+/get_model_info, /get_load, /v1/loads, /flush_cache, /abort_request, /concate_and_append_request,
+/metrics, and radixserve's /apply_chat_template.  Together they are what SGLang's frontend language
+(``sglang.RuntimeEndpoint``) and the routers (smg and ``sglang-router``: /health, /server_info,
+/model_info, /get_load or /v1/loads, /flush_cache, /metrics) call."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from radixserve.chat.messages import ApplyChatTemplateRequest
 from radixserve.chat.render import ChatTemplateError, render_without_tools
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.json_response import JSONBytesResponse
+from radixserve.frontend.loads import load_snapshot, loads_document, parse_include
 from radixserve.frontend.native_protocol import AbortRequest, GenerateRequest
 from radixserve.frontend.openai_common import SSE_DONE, guarded_stream
 from radixserve.frontend.state import ServerState, collect
@@ -199,6 +200,19 @@ async def get_load(request: Request) -> JSONBytesResponse:
         "num_waiting_reqs": stats.get("waiting", 0),
         "num_tokens": st.inflight_tokens,
     }])
+
+
+@router.get("/v1/loads")
+async def v1_loads(request: Request, include: str | None = None) -> JSONBytesResponse:
+    """SGLang's load snapshots (``frontend/loads.py``), which smg's load monitor polls."""
+    st = _state(request)
+    try:
+        sections = parse_include(include)
+    except ValueError as e:
+        raise APIError(str(e), 400, param="include") from None
+    stats = await st.tm.control("stats")
+    rate = st.gen_rate.update(stats["generation_tokens"])
+    return JSONBytesResponse(loads_document([load_snapshot(stats, st.info, sections, rate)]))
 
 
 @router.post("/apply_chat_template")

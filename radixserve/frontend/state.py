@@ -16,6 +16,7 @@ from fastapi import Request
 
 from radixserve.config import ServerArgs
 from radixserve.frontend.errors import APIError, ClientGone
+from radixserve.frontend.loads import ThroughputWindow
 from radixserve.frontend.metrics import Metrics
 from radixserve.ipc.messages import ModelInfo
 from radixserve.runtime.client import RuntimeClient
@@ -64,6 +65,7 @@ class ServerState:
     # plus output): the load a router reads from /get_load.
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    gen_rate: ThroughputWindow = field(default_factory=ThroughputWindow)  # /v1/loads' gen_throughput
 
     @property
     def tm(self) -> TokenizerManager:
