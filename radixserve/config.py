@@ -14,6 +14,7 @@ from radixserve.hardware import (  # config.cpu_bf16_feature is what resolve() r
     torch_build_has_cuda,
     torch_build_version,
 )
+from radixserve.ipc.kv_events import KVEventsConfig
 
 # Weight formats of --quantization (radixserve/quantization/).
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
@@ -104,6 +105,11 @@ class ServerArgs:
         "(default: none)")
     disk_cache_size: int = setting(1_000_000, "disk KV tier size in tokens")
     disable_radix_cache: bool = setting(False, "turn the prefix cache off")
+    kv_events_config: str | None = setting(
+        None,
+        "publish the radix tree's changes for KV-aware routers, SGLang's JSON: "
+        "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "(default: off)")
     tp_size: int = setting(
         1,
         "tensor parallelism: split the model over N processes (gloo on a CPU, NCCL over N GPUs)")
@@ -232,6 +238,8 @@ class ServerArgs:
         if self.disable_radix_cache and (self.host_cache_size or self.disk_cache_dir):
             raise ValueError("host and disk KV tiers hold the prefix cache: they need it on "
                              "(drop --disable-radix-cache)")
+        if self.kv_events_config:
+            KVEventsConfig.parse(self.kv_events_config)
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
         if self.tp_size > 1 and (self.host_cache_size or self.disk_cache_dir or self.preemption_mode == "swap"):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.kv_events import KVIndex, sglang_block_hashes
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -23,6 +24,7 @@ from hypothesis.stateful import (
 
 from radixserve.cache.allocator import PageAllocator
 from radixserve.cache.eviction import EVICTION_POLICIES, SLRU_PROTECT_HITS
+from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.tree_check import check_tree, tree_text
 from radixserve.cache.tree_node import DEVICE, HOST, TreeNode
@@ -633,7 +635,9 @@ class TwoTier:
         self.kv: dict[str, dict[int, tuple[str, tuple[int, ...]]]] = {DEVICE: {}, HOST: {}}
         self.refuse = False  # demote gives no host slots (as with the host tier off)
         self.tree = RadixCache(page_size, self.free_device, eviction_policy=policy,
-                               demote=self.demote, free_host_slots=self.free_host)
+                               demote=self.demote, free_host_slots=self.free_host,
+                               events=KVEventRecorder(page_size, "CPU"))
+        self.index = KVIndex()  # what a router learns from the tree's KV events
 
     def free_device(self, slots: np.ndarray) -> None:
         self.dev.free_slots(slots)  # raises on a double free
@@ -751,6 +755,24 @@ class TwoTier:
             assert len(slots) == len(pages) * self.p, f"a {tier} page is held in part"
             assert pages.tolist() == alloc.used_pages().tolist(), f"{tier} pages leaked or freed while held"
         assert tree.host_size() == len(tree.all_slots(HOST))
+        self.check_events()
+
+    def check_events(self) -> None:
+        """The KV events so far, applied in order, tell a router exactly the blocks each tier
+        holds, under SGLang's hashes of each node's path (salted per namespace)."""
+        for event in self.tree.events.take():
+            self.index.apply(event)
+        expected: dict[str, set[int]] = {}
+        medium = {DEVICE: "CPU", HOST: "CPU_PINNED"}
+        for ns, root in self.tree._roots.items():
+            stack = [(child, ()) for child in root.children.values()]
+            while stack:
+                node, prefix = stack.pop()
+                path = prefix + tuple(node.key.tolist())
+                hashes = sglang_block_hashes(path, self.p, ns)
+                expected.setdefault(medium[node.tier], set()).update(hashes[len(prefix) // self.p:])
+                stack.extend((child, path) for child in node.children.values())
+        assert self.index.held() == {m: h for m, h in expected.items() if h}
 
 
 def expect_labels(ns: str, key: Sequence[int], start: int, stop: int) -> list:

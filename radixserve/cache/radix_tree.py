@@ -25,6 +25,7 @@ device node only when no child of it is on the device (a *device leaf*), and han
 refuses (the node and anything below it leave the tree); the moves are ``tree_tiers.py``'s.
 A match walks both tiers and reports the host part apart (:attr:`MatchResult.host_nodes`).
 Sizes (``evictable`` / ``protected``) count device tokens; ``host_size`` the host ones.
+Every node that enters, leaves or changes tier is told to ``events`` (``cache/kv_events.py``).
 """
 
 from __future__ import annotations
@@ -36,10 +37,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from radixserve.cache import tree_node as tn
-from radixserve.cache.eviction import (
-    LeafHeap,
-    priority_function,
-)
+from radixserve.cache.eviction import LeafHeap, priority_function
+from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.tree_node import DEVICE, HOST, MatchResult, TreeNode
 from radixserve.cache.tree_tiers import TierMoves
 
@@ -55,6 +54,7 @@ class RadixCache(TierMoves):
         eviction_policy: str = "lru",
         demote: Callable[[TreeNode], np.ndarray | None] | None = None,
         free_host_slots: Callable[[np.ndarray], None] | None = None,
+        events: KVEventRecorder | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -66,6 +66,7 @@ class RadixCache(TierMoves):
         self.demote = demote
         self.free_host_slots = free_host_slots
         self.disable = disable
+        self.events = events or KVEventRecorder(page_size, "", enabled=False)  # records nothing
         # Children are keyed by their first page: an int when page_size == 1, else a tuple.
         self._page_struct = struct.Struct(f"{page_size}q")
         self.reset()
@@ -76,6 +77,7 @@ class RadixCache(TierMoves):
         """Drop every node without calling ``free_slots`` (the caller resets its allocator)."""
         self.root = TreeNode(None, b"", tn.EMPTY_SLOTS)
         self._roots: dict[str, TreeNode] = {"": self.root}  # by namespace (cache salt)
+        self.events.cleared(self.root)
         self._evictable = 0
         self._protected = 0
         self._pinned = 0
@@ -108,6 +110,7 @@ class RadixCache(TierMoves):
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = TreeNode(None, b"", tn.EMPTY_SLOTS)
+            self.events.new_root(root, namespace)
         return root
 
     def _tick(self) -> int:
@@ -167,6 +170,7 @@ class RadixCache(TierMoves):
         child.parent = upper
         upper.children[self.child_key(child.key_bytes, 0)] = child
         self._num_nodes += 1
+        self.events.split(upper, child)
         return upper
 
     def _walk(
@@ -271,6 +275,7 @@ class RadixCache(TierMoves):
             leaf.last_access = self._clock
             node.children[self.child_key(leaf.key_bytes, 0)] = leaf
             self._num_nodes += 1
+            self.events.stored(leaf)
             if tier == DEVICE:
                 self._evictable += aligned - walked
             else:
@@ -369,10 +374,12 @@ class RadixCache(TierMoves):
                 self._host -= len(n.value)
                 assert self.free_host_slots is not None
                 self.free_host_slots(n.value)
+            self.events.removed(n)
             n.parent = None  # marks every remaining heap entry of this node stale
             self._num_nodes -= 1
         if parent.parent is None and not parent.children and parent is not self.root:
             self._roots = {k: r for k, r in self._roots.items() if r is not parent}  # emptied namespace
+            self.events.forget_root(parent)
         self._push_if_evictable(parent)
 
     # ------------------------------------------------------------------ inspection

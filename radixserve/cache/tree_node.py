@@ -25,7 +25,7 @@ class TreeNode:
     """One run of tokens and their KV slots. The root has an empty key."""
 
     __slots__ = ("children", "parent", "key_bytes", "value", "lock_ref", "pin_ref", "last_access",
-                 "hits", "id", "tier", "touched")
+                 "hits", "id", "tier", "touched", "digests")
 
     def __init__(self, parent: TreeNode | None, key_bytes: bytes, value: np.ndarray, tier: str = DEVICE) -> None:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
@@ -39,6 +39,7 @@ class TreeNode:
         self.hits = 0  # admissions that reused this node
         self.id = next(_node_ids)
         self.touched = time.monotonic()  # wall clock of last_access (for people: /cache/tree)
+        self.digests: list[bytes] | None = None  # per page, for KV events (cache/kv_events.py)
 
     @property
     def key(self) -> np.ndarray:

@@ -18,6 +18,7 @@ from radixserve.cache.tree_node import DEVICE, HOST, TreeNode
 
 if TYPE_CHECKING:
     from radixserve.cache.eviction import LeafHeap
+    from radixserve.cache.kv_events import KVEventRecorder
 
 
 class TierMoves:
@@ -31,10 +32,13 @@ class TierMoves:
     demote: Callable[[TreeNode], np.ndarray | None] | None
     _push_if_evictable: Callable[[TreeNode], None]
     _drop: Callable[[TreeNode], None]
+    events: KVEventRecorder
 
     def _adopt(self, node: TreeNode, device_slots: np.ndarray) -> None:
         """Host ``node`` takes ``device_slots`` (same tokens) and frees its host slots."""
         host_slots, n = node.value, len(node.value)
+        self.events.removed(node, HOST)
+        self.events.stored(node, DEVICE)
         node.value, node.tier = device_slots, DEVICE
         self._host -= n
         if node.lock_ref:
@@ -58,6 +62,8 @@ class TierMoves:
     def _to_host(self, node: TreeNode, host_slots: np.ndarray) -> None:
         """Device ``node`` (unlocked) now lives in ``host_slots``; its device slots are freed."""
         n = len(node.value)
+        self.events.removed(node, DEVICE)
+        self.events.stored(node, HOST)
         self.free_slots(node.value)
         node.value, node.tier = host_slots, HOST
         self._evictable -= n

@@ -26,6 +26,7 @@ from radixserve.frontend.loads import load_snapshot, loads_document, parse_inclu
 from radixserve.frontend.native_protocol import AbortRequest, GenerateRequest
 from radixserve.frontend.openai_common import SSE_DONE, guarded_stream
 from radixserve.frontend.state import ServerState, collect
+from radixserve.ipc.kv_events import KVEventsConfig
 from radixserve.runtime.jobs import PromptSpec, prepare_jobs, split_batch
 from radixserve.runtime.native_output import LogprobRequest, NativeOutput
 from radixserve.runtime.pieces import Piece
@@ -142,6 +143,9 @@ async def server_info(request: Request) -> JSONBytesResponse:
         "max_total_num_tokens": st.info.max_total_tokens,
         "max_running_requests": st.info.max_running_requests,
         "speculative_algorithm": st.info.speculative_algorithm,
+        # Where a KV-aware router subscribes to this worker's KV events (SGLang's descriptor).
+        "kv_events": KVEventsConfig.parse(st.args.kv_events_config).describe(st.info.page_size)
+        if st.args.kv_events_config else None,
         "server_args": args,
         "model_info": st.info.to_dict(),
         "stats": stats,

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from radixserve.cache.radix_tree import RadixCache
     from radixserve.cache.tiers import TierManager
     from radixserve.config import ServerArgs
+    from radixserve.ipc.kv_events import KVEventPublisher
     from radixserve.scheduler.constraints import Constraints
     from radixserve.scheduler.kv_manager import KVManager
     from radixserve.scheduler.model_runner import ModelRunner
@@ -46,6 +47,7 @@ class SchedulerControl:
     kv: KVManager
     pins: Pins
     tiers: TierManager | None
+    kv_events: KVEventPublisher | None
     runner: ModelRunner
     stats: SchedulerStats
     profiler: StepProfiler
@@ -111,10 +113,19 @@ class SchedulerControl:
             self.tiers.host_alloc.reset()
         return True
 
+    def publish_kv_events(self) -> None:
+        """Send the tree's changes since the last call to the KV event subscribers."""
+        if self.kv_events is not None and (events := self.tree.events.take()):
+            self.kv_events.publish(events)
+
     def close(self) -> None:
-        """Let queued disk-tier writes finish (bounded); stop the tensor-parallel ranks."""
+        """Let queued disk-tier writes and KV events go out (bounded); stop the tensor-parallel
+        ranks."""
         if self.tiers is not None:
             self.tiers.close()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.close()
         if self.runner.link is not None:
             self.runner.link.close()
             self.runner.link = None

@@ -3,7 +3,8 @@
 Sizes the pool (``--max-total-tokens``, else from free memory and
 ``--kv-cache-memory-fraction``), then builds what shares it: the page allocator, the
 request-to-token table, the radix tree over the pool's slots, the KV pool itself, the host and
-disk tiers when asked for, the KV manager that moves requests' slots between them, and the pins.
+disk tiers when asked for, the KV manager that moves requests' slots between them, the pins, and
+the publisher of the tree's KV events when ``--kv-events-config`` asks for one.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 import torch
 
 from radixserve.cache.allocator import PageAllocator
+from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.kv_pool import KVPool, kv_bytes_per_token
 from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.cache.tiers import TierManager
 from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
+from radixserve.ipc.kv_events import KVEventPublisher, KVEventsConfig
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.pins import Pins
 
@@ -57,6 +60,7 @@ class KVMemory:
     tiers: TierManager | None
     kv: KVManager
     pins: Pins
+    kv_events: KVEventPublisher | None
 
     @classmethod
     def build(cls, args: ServerArgs, model: torch.nn.Module, model_config: Any, device: torch.device,
@@ -76,14 +80,17 @@ class KVMemory:
 
         allocator = PageAllocator(num_pages, args.page_size)
         req_pool = ReqToTokenPool(max_running, context_len + args.page_size, device)
+        events = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config else KVEventsConfig()
+        recorder = KVEventRecorder(args.page_size, "GPU" if device.type == "cuda" else "CPU", events.enabled)
         tree = RadixCache(args.page_size, allocator.free_slots, disable=args.disable_radix_cache,
-                          eviction_policy=args.radix_eviction_policy)
+                          eviction_policy=args.radix_eviction_policy, events=recorder)
         kv_pool = KVPool(allocator.num_slots, layers, kv_heads, head_dim, dtype, device,
                          kv_cache_dtype=args.kv_cache_dtype)
         tiers = _tiers(args, kv_pool, tree, pool_tokens, model, model_config)
         kv = KVManager(allocator, req_pool, tree, tiers, swap=args.preemption_mode == "swap")
         pins = Pins(tree, int(args.max_pinned_fraction * pool_tokens))
-        return cls(pool_tokens, max_running, allocator, req_pool, tree, kv_pool, tiers, kv, pins)
+        publisher = KVEventPublisher(events) if events.enabled else None
+        return cls(pool_tokens, max_running, allocator, req_pool, tree, kv_pool, tiers, kv, pins, publisher)
 
 
 def _tiers(args: ServerArgs, kv_pool: KVPool, tree: RadixCache, pool_tokens: int, model: torch.nn.Module,

@@ -208,10 +208,12 @@ def _serve(sched: Any, recv: zmq.Socket, send: zmq.Socket) -> None:
             except zmq.Again:
                 break
             handle_frame(sched, data, send)
+        sched.publish_kv_events()  # an abort or a flush changes the tree too
         if not sched.has_work:
             continue
         try:
             _run_step(sched, send)
+            sched.publish_kv_events()
         except TensorParallelError as e:
             logger.error("%s; the scheduler stops", e)
             sys.exit(1)

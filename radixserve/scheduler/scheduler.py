@@ -51,7 +51,7 @@ class Scheduler(SchedulerControl):
         self.pool_tokens = mem.pool_tokens
         self.max_running = mem.max_running
         self.allocator, self.req_pool, self.tree = mem.allocator, mem.req_pool, mem.tree
-        self.tiers, self.kv, self.pins = mem.tiers, mem.kv, mem.pins
+        self.tiers, self.kv, self.pins, self.kv_events = mem.tiers, mem.kv, mem.pins, mem.kv_events
         kv_pool = mem.kv_pool
         self.policy = SchedulePolicy(args.schedule_policy, args.schedule_policy_max_queue, seed=args.random_seed,
                                      low_priority_values_first=args.schedule_low_priority_values_first,

@@ -1,0 +1,149 @@
+"""KV events: what the radix tree holds, told to a router as it changes.
+
+SGLang's event format, which smg, Dynamo and llm-d read: ``BlockStored`` (blocks that entered a
+tier, with their tokens and the block before them), ``BlockRemoved`` (blocks that left a tier)
+and ``AllBlocksCleared`` (the cache was flushed).  A block is one KV page (``block_size`` is
+the page size).  Its hash is SGLang's: SHA-256 over the previous block's digest and the page's
+token ids as little-endian uint32, the first 8 bytes read as a signed big-endian int64; the
+first block of a cache salt's namespace chains from a digest of the salt, so equal tokens under
+two salts never share a hash.  A consumer that hashes prompts the same way finds them; one that
+indexes the events' tokens needs nothing but the chain.
+
+``medium`` is the tier: the device pool (``GPU``, or ``CPU`` when the model runs on a CPU), the
+host tier (``CPU_PINNED``) and the disk tier (``DISK``).  A node moving between tiers is a
+removal from one and a store in the other.
+
+The tree calls :class:`KVEventRecorder` (``RadixCache.events``); the scheduler takes the
+queued events after each step and hands them to the publisher (``scheduler/kv_events.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from radixserve.cache.tree_node import DEVICE, HOST, TreeNode
+
+DISK = "disk"
+_SALT_TAG = b"sglang-cache-salt-v1\0"
+
+
+def salt_digest(salt: str) -> bytes:
+    """The digest a salted namespace's first block chains from ("" has none)."""
+    return hashlib.sha256(_SALT_TAG + salt.encode("utf-8")).digest()
+
+
+def page_digests(tokens: np.ndarray, page_size: int, prior: bytes | None) -> list[bytes]:
+    """SHA-256 chain over the pages of ``tokens`` (whole pages), starting after ``prior``."""
+    data = np.asarray(tokens, dtype="<u4").tobytes()
+    step = 4 * page_size
+    out = []
+    for start in range(0, len(data), step):
+        h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
+        h.update(data[start:start + step])
+        prior = h.digest()
+        out.append(prior)
+    return out
+
+
+def block_hash(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+class KVEventRecorder:
+    """Queues the tree's changes as SGLang's KV events (msgpack-ready dicts), coalescing a
+    store that continues the previous one, as SGLang does.  Disabled, it records nothing."""
+
+    def __init__(self, page_size: int, device_medium: str, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.page_size = page_size
+        self.medium = {DEVICE: device_medium, HOST: "CPU_PINNED", DISK: "DISK"}
+        self._queue: list[dict[str, Any]] = []
+        self._salts: dict[int, str] = {}  # a namespace root's id -> its salt
+
+    # ---------------------------------------------------------------- the tree's calls
+
+    def new_root(self, root: TreeNode, namespace: str) -> None:
+        if not self.enabled:
+            return
+        self._salts[root.id] = namespace
+        root.digests = [salt_digest(namespace)] if namespace else []
+
+    def forget_root(self, root: TreeNode) -> None:
+        self._salts.pop(root.id, None)
+
+    def stored(self, node: TreeNode, tier: str | None = None) -> None:
+        if not self.enabled:
+            return
+        digests = self._digests(node)
+        parent = node.parent
+        parent_hash = None
+        if parent is not None and parent.parent is not None:
+            parent_hash = block_hash(self._digests(parent)[-1])
+        salt = self._salt(node)
+        hashes = [block_hash(d) for d in digests]
+        medium = self.medium[tier or node.tier]
+        tokens = node.key.tolist()
+        tail = self._queue[-1] if self._queue else None
+        if (tail is not None and tail["type"] == "BlockStored" and tail.get("medium") == medium
+                and tail.get("cache_salt") == salt and tail["block_hashes"]
+                and tail["block_hashes"][-1] == parent_hash):
+            tail["block_hashes"].extend(hashes)
+            tail["token_ids"].extend(tokens)
+            return
+        event: dict[str, Any] = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent_hash,
+                                 "token_ids": tokens, "block_size": self.page_size, "lora_id": None,
+                                 "medium": medium}
+        if salt:
+            event["cache_salt"] = salt
+        self._queue.append(event)
+
+    def removed(self, node: TreeNode, tier: str | None = None) -> None:
+        if not self.enabled:
+            return
+        hashes = [block_hash(d) for d in self._digests(node)]
+        medium = self.medium[tier or node.tier]
+        tail = self._queue[-1] if self._queue else None
+        if tail is not None and tail["type"] == "BlockRemoved" and tail["medium"] == medium:
+            tail["block_hashes"].extend(hashes)
+        elif hashes:
+            self._queue.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium})
+
+    def cleared(self, root: TreeNode) -> None:
+        """The tree is empty again, with ``root`` its unsalted root."""
+        if not self.enabled:
+            return
+        self._queue.append({"type": "AllBlocksCleared"})
+        self._salts.clear()
+        self.new_root(root, "")
+
+    def split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """``upper`` took the first pages of ``lower``'s run (a split): share out its digests."""
+        if self.enabled and lower.digests is not None:
+            pages = len(upper.value) // self.page_size
+            upper.digests, lower.digests = lower.digests[:pages], lower.digests[pages:]
+
+    # ---------------------------------------------------------------- the scheduler's
+
+    def take(self) -> list[dict[str, Any]]:
+        events, self._queue = self._queue, []
+        return events
+
+    # ---------------------------------------------------------------- hashes
+
+    def _digests(self, node: TreeNode) -> list[bytes]:
+        if node.digests is None:
+            parent = node.parent
+            prior = None
+            if parent is not None:
+                above = self._digests(parent) if parent.parent is not None else (parent.digests or [])
+                prior = above[-1] if above else None
+            node.digests = page_digests(node.key, self.page_size, prior)
+        return node.digests
+
+    def _salt(self, node: TreeNode) -> str:
+        while node.parent is not None:
+            node = node.parent
+        return self._salts.get(node.id, "")
