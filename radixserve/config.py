@@ -105,6 +105,10 @@ class ServerArgs:
         "(default: none)")
     disk_cache_size: int = setting(1_000_000, "disk KV tier size in tokens")
     disable_radix_cache: bool = setting(False, "turn the prefix cache off")
+    grpc_port: int | None = setting(
+        None,
+        "also serve SGLang's scheduler gRPC service on this port: token ids in and out, and the KV "
+        "events, for smg's grpc:// workers (needs radixserve[router]; default: off)")
     kv_events_config: str | None = setting(
         None,
         "publish the radix tree's changes for KV-aware routers, SGLang's JSON: "

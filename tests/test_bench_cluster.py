@@ -1,5 +1,5 @@
 """bench/cluster.py in its quick mode on the tiny chat model: two workers behind the real router
-(cache_aware and round_robin), the same workers addressed directly, one bigger worker, and
+(cache_aware, cache_aware over gRPC with the workers' KV events, and round_robin), the same workers addressed directly, one bigger worker, and
 TP=2 against TP=1: every request answered, the hit rates and tokens/s measured, the targets
 checked, the JSON written."""
 
@@ -16,7 +16,7 @@ def test_quick_cluster_report(tmp_path, tiny_chat_model) -> None:
                    "--out", str(out)])
     assert json.loads(out.read_text()) == report
     runs = report["routing"]["runs"]
-    assert [r["config"] for r in runs] == ["cache_aware", "round_robin", "direct", "single"]
+    assert [r["config"] for r in runs] == ["cache_aware", "cache_aware+events", "round_robin", "direct", "single"]
     requests = report["routing"]["workload"]["requests"]
     for r in runs:
         s = r["summary"]
@@ -28,5 +28,6 @@ def test_quick_cluster_report(tmp_path, tiny_chat_model) -> None:
     assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in tp)
     assert [t["target"] for t in report["targets"]] == [
         "cache_aware hit rate >=", "cache_aware / round_robin hit rate >=",
-        "|cache_aware - single worker| hit rate <=", "router / direct throughput >="]
+        "|cache_aware - single worker| hit rate <=", "router / direct throughput >=",
+        "cache_aware+events - cache_aware hit rate >="]
     assert out.with_suffix(".md").read_text().count("```") == 4

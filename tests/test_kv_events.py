@@ -135,13 +135,13 @@ def test_a_served_prompt_is_in_the_index_under_sglangs_hashes(worker, sub) -> No
     ids = prompt(1)
     generate(srv, ids)
     tree_tokens = server_info(srv)["stats"]["tree_tokens"]
-    index = sub.drain(lambda index: len(index.held().get("CPU", ())) * PAGE == tree_tokens)
+    index = sub.drain(lambda index: len(index.held().get("GPU", ())) * PAGE == tree_tokens)
     # The prompt's pages are there under the hashes SGLang computes from its tokens.
-    assert index.prompt_blocks("CPU", ids, PAGE) == len(ids) // PAGE
+    assert index.prompt_blocks("GPU", ids, PAGE) == len(ids) // PAGE
     # The chain links: each page's parent is the page before it; the first has none.
     hashes = sglang_block_hashes(ids, PAGE)
     assert index.parents[hashes[0]] is None and all(index.parents[b] == a for a, b in zip(hashes, hashes[1:], strict=False))
-    assert all(index.blocks["CPU"][h] == tuple(ids[i * PAGE:(i + 1) * PAGE]) for i, h in enumerate(hashes))
+    assert all(index.blocks["GPU"][h] == tuple(ids[i * PAGE:(i + 1) * PAGE]) for i, h in enumerate(hashes))
 
 
 def test_a_salted_prompt_gets_its_own_hashes_and_salt(worker, sub) -> None:
@@ -149,8 +149,8 @@ def test_a_salted_prompt_gets_its_own_hashes_and_salt(worker, sub) -> None:
     ids = prompt(2)
     generate(srv, ids, max_new_tokens=2, extra_key="tenant-7")
     salted = sglang_block_hashes(ids, PAGE, "tenant-7")
-    index = sub.drain(lambda index: salted[-1] in index.held().get("CPU", ()))
-    assert set(salted) <= index.held()["CPU"] and all(index.salts[h] == "tenant-7" for h in salted)
+    index = sub.drain(lambda index: salted[-1] in index.held().get("GPU", ()))
+    assert set(salted) <= index.held()["GPU"] and all(index.salts[h] == "tenant-7" for h in salted)
     assert not set(sglang_block_hashes(ids, PAGE)) & set(salted)
 
 
@@ -166,7 +166,7 @@ def test_eviction_to_host_and_out_and_a_flush(worker, sub) -> None:
 
     def agrees(index: KVIndex) -> bool:
         held = index.held()
-        return (len(held.get("CPU", ())) * PAGE == stats["tree_tokens"]
+        return (len(held.get("GPU", ())) * PAGE == stats["tree_tokens"]
                 and len(held.get("CPU_PINNED", ())) * PAGE == stats["host_tree_tokens"])
 
     sub.drain(agrees)
@@ -180,7 +180,7 @@ def test_a_late_subscriber_rebuilds_the_same_index_from_the_replay(worker, sub) 
     srv, config = worker
     generate(srv, prompt(3))
     tree_tokens = server_info(srv)["stats"]["tree_tokens"]
-    live = sub.drain(lambda index: len(index.held().get("CPU", ())) * PAGE == tree_tokens)
+    live = sub.drain(lambda index: len(index.held().get("GPU", ())) * PAGE == tree_tokens)
     late = Subscriber(config["endpoint"], config["replay_endpoint"], config["topic"])
     try:
         assert late.replay(0) == sub.next_seq  # every batch since the worker started

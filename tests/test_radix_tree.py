@@ -636,7 +636,7 @@ class TwoTier:
         self.refuse = False  # demote gives no host slots (as with the host tier off)
         self.tree = RadixCache(page_size, self.free_device, eviction_policy=policy,
                                demote=self.demote, free_host_slots=self.free_host,
-                               events=KVEventRecorder(page_size, "CPU"))
+                               events=KVEventRecorder(page_size))
         self.index = KVIndex()  # what a router learns from the tree's KV events
 
     def free_device(self, slots: np.ndarray) -> None:
@@ -763,7 +763,7 @@ class TwoTier:
         for event in self.tree.events.take():
             self.index.apply(event)
         expected: dict[str, set[int]] = {}
-        medium = {DEVICE: "CPU", HOST: "CPU_PINNED"}
+        medium = {DEVICE: "GPU", HOST: "CPU_PINNED"}
         for ns, root in self.tree._roots.items():
             stack = [(child, ()) for child in root.children.values()]
             while stack:
@@ -773,6 +773,11 @@ class TwoTier:
                 expected.setdefault(medium[node.tier], set()).update(hashes[len(prefix) // self.p:])
                 stack.extend((child, path) for child in node.children.values())
         assert self.index.held() == {m: h for m, h in expected.items() if h}
+        # A subscriber that starts now, from a snapshot of the tree, knows the same.
+        fresh = KVIndex()
+        for event in self.tree.events.snapshot(self.tree._roots, self.tree._nodes()):
+            fresh.apply(event)
+        assert fresh.held() == self.index.held()
 
 
 def expect_labels(ns: str, key: Sequence[int], start: int, stop: int) -> list:

@@ -9,9 +9,10 @@ first block of a cache salt's namespace chains from a digest of the salt, so equ
 two salts never share a hash.  A consumer that hashes prompts the same way finds them; one that
 indexes the events' tokens needs nothing but the chain.
 
-``medium`` is the tier: the device pool (``GPU``, or ``CPU`` when the model runs on a CPU), the
-host tier (``CPU_PINNED``) and the disk tier (``DISK``).  A node moving between tiers is a
-removal from one and a store in the other.
+``medium`` is the tier, in SGLang's names: ``GPU`` for the pool the model reads (SGLang's L1,
+whatever the device: routers read it as "on the worker, ready"), ``CPU_PINNED`` for the host
+tier and ``DISK`` for the disk tier.  A node moving between tiers is a removal from one and a
+store in the other.
 
 The tree calls :class:`KVEventRecorder` (``RadixCache.events``); the scheduler takes the
 queued events after each step and hands them to the publisher (``scheduler/kv_events.py``).
@@ -27,6 +28,7 @@ import numpy as np
 from radixserve.cache.tree_node import DEVICE, HOST, TreeNode
 
 DISK = "disk"
+MEDIUM = {DEVICE: "GPU", HOST: "CPU_PINNED", DISK: "DISK"}  # SGLang's names of the tiers
 _SALT_TAG = b"sglang-cache-salt-v1\0"
 
 
@@ -56,10 +58,10 @@ class KVEventRecorder:
     """Queues the tree's changes as SGLang's KV events (msgpack-ready dicts), coalescing a
     store that continues the previous one, as SGLang does.  Disabled, it records nothing."""
 
-    def __init__(self, page_size: int, device_medium: str, enabled: bool = True) -> None:
+    def __init__(self, page_size: int, enabled: bool = True) -> None:
         self.enabled = enabled
         self.page_size = page_size
-        self.medium = {DEVICE: device_medium, HOST: "CPU_PINNED", DISK: "DISK"}
+        self.medium = MEDIUM
         self._queue: list[dict[str, Any]] = []
         self._salts: dict[int, str] = {}  # a namespace root's id -> its salt
 
@@ -126,6 +128,17 @@ class KVEventRecorder:
             upper.digests, lower.digests = lower.digests[:pages], lower.digests[pages:]
 
     # ---------------------------------------------------------------- the scheduler's
+
+    def snapshot(self, roots: dict[str, TreeNode], nodes: list[TreeNode]) -> list[dict[str, Any]]:
+        """Everything the tree holds, as a subscriber that starts now needs it: AllBlocksCleared,
+        then a store of every node (``nodes``: parents before children) in its tier."""
+        saved, self._queue = self._queue, [{"type": "AllBlocksCleared"}]
+        for namespace, root in roots.items():
+            self._salts[root.id] = namespace
+        for node in nodes:
+            self.stored(node)
+        events, self._queue = self._queue, saved
+        return events
 
     def take(self) -> list[dict[str, Any]]:
         events, self._queue = self._queue, []

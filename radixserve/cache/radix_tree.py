@@ -66,7 +66,7 @@ class RadixCache(TierMoves):
         self.demote = demote
         self.free_host_slots = free_host_slots
         self.disable = disable
-        self.events = events or KVEventRecorder(page_size, "", enabled=False)  # records nothing
+        self.events = events or KVEventRecorder(page_size, enabled=False)  # records nothing
         # Children are keyed by their first page: an int when page_size == 1, else a tuple.
         self._page_struct = struct.Struct(f"{page_size}q")
         self.reset()

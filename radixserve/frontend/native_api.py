@@ -161,7 +161,7 @@ async def model_info(request: Request) -> JSONBytesResponse:
     """SGLang's model description (``RuntimeEndpoint`` reads ``model_path`` to pick its chat
     template), plus radixserve's own fields."""
     st = _state(request)
-    hf = _hf_config(st.model_path)
+    hf = hf_config(st.model_path)
     return JSONBytesResponse({
         "model_path": st.model_path,
         "tokenizer_path": st.info.tokenizer_path,
@@ -181,7 +181,7 @@ async def model_info(request: Request) -> JSONBytesResponse:
 
 
 @functools.lru_cache(maxsize=4)
-def _hf_config(model_path: str) -> dict[str, Any]:
+def hf_config(model_path: str) -> dict[str, Any]:
     """The model folder's ``config.json`` (empty for a GGUF file, or a folder without one)."""
     try:
         with open(os.path.join(model_path, "config.json")) as f:

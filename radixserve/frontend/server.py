@@ -59,10 +59,17 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: ModelInfo,
                             pids={name: p.pid for name, p in procs.procs.items()},
                             model_path=procs.model_path)
         app.state.server = state
+        grpc_server = None
+        if args.grpc_port is not None:
+            from radixserve.frontend.grpc_service import start_grpc
+
+            grpc_server = await start_grpc(state, args.host, args.grpc_port)
         try:
             yield
         finally:
             state.shutting_down = True
+            if grpc_server is not None:
+                await grpc_server.stop(1.0)
             await client.close("the server is shutting down")
 
     app = FastAPI(title="radixserve", lifespan=lifespan, default_response_class=JSONBytesResponse)

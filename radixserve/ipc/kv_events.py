@@ -96,6 +96,14 @@ class KVEventsConfig:
         return out
 
 
+def local_endpoint(endpoint: str) -> str:
+    """The address a process on this host connects to for a publisher bound at ``endpoint``."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        if endpoint.startswith(wildcard):
+            return "tcp://127.0.0.1:" + endpoint[len(wildcard):]
+    return endpoint
+
+
 def _tcp_host_port(endpoint: str | None) -> tuple[str, int] | None:
     if not endpoint or not endpoint.startswith("tcp://"):
         return None
@@ -109,7 +117,8 @@ class KVEventPublisher:
     def __init__(self, config: KVEventsConfig, dp_rank: int = 0) -> None:
         self.config = config
         self.dp_rank = dp_rank
-        self._queue: queue.Queue[list[dict[str, Any]] | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[tuple[int, list[dict[str, Any]]] | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._next_seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._ctx = zmq.Context.instance()
@@ -129,12 +138,15 @@ class KVEventPublisher:
         logger.info("KV events: publishing on %s%s", config.endpoint,
                     f", replay on {config.replay_endpoint}" if config.replay_endpoint else "")
 
-    def publish(self, events: list[dict[str, Any]]) -> None:
-        """Queue one batch (never blocks: a full queue drops it and counts it)."""
+    def publish(self, events: list[dict[str, Any]]) -> int:
+        """Queue one batch and return its sequence number (never blocks: a full queue drops
+        the batch, counted, and subscribers see a gap)."""
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
-            self._queue.put_nowait(events)
+            self._queue.put_nowait((seq, events))
         except queue.Full:
             self.dropped += 1
+        return seq
 
     def close(self, timeout: float = 1.0) -> None:
         """Send what is queued (up to ``timeout`` seconds), then close the sockets."""
@@ -151,22 +163,20 @@ class KVEventPublisher:
         import msgspec
 
         encode = msgspec.msgpack.Encoder().encode
-        seq = 0
         while True:
             if self._replay is not None:
                 while self._replay.poll(0):
                     self._serve_replay()
             try:
-                events = self._queue.get(timeout=0.05)
+                item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if events is None:
+            if item is None:
                 return
+            seq, events = item
             payload = encode([time.time(), events, self.dp_rank])
-            seq_bytes = seq.to_bytes(8, "big")
-            self._pub.send_multipart((self._topic, seq_bytes, payload))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
-            seq += 1
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

@@ -203,6 +203,16 @@ def _unpin(sched: SchedulerControl, msg: m.UnpinReq) -> Result:
     return {"unpinned": sched.pins.unpin(msg.pin_id, msg.input_ids, msg.extra_key)}
 
 
+def _kv_events_snapshot(sched: SchedulerControl, msg: m.ControlReq) -> Result:
+    """Publish everything the tree holds as one batch (after the changes not yet sent), for a
+    subscriber that starts from the current state; its sequence number."""
+    if sched.kv_events is None:
+        return {"error": "KV events are off (--kv-events-config)"}
+    sched.publish_kv_events()
+    tree = sched.tree
+    return {"sequence": sched.kv_events.publish(tree.events.snapshot(tree._roots, tree._nodes()))}
+
+
 def _cache_tree(sched: SchedulerControl, msg: m.CacheTreeReq) -> Result:
     try:
         return summary_rows(sched.tree, msg.sort, msg.depth, msg.limit)
@@ -218,6 +228,7 @@ COMMANDS: dict[str, Callable[[Any, Any], Result]] = {
     "cache_misses": _cache_misses,
     "start_profile": _start_profile,
     "stop_profile": _stop_profile,
+    "kv_events_snapshot": _kv_events_snapshot,
     m.UnpinReq.TYPE: _unpin,
     m.CacheTreeReq.TYPE: _cache_tree,
 }

@@ -81,7 +81,7 @@ class KVMemory:
         allocator = PageAllocator(num_pages, args.page_size)
         req_pool = ReqToTokenPool(max_running, context_len + args.page_size, device)
         events = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config else KVEventsConfig()
-        recorder = KVEventRecorder(args.page_size, "GPU" if device.type == "cuda" else "CPU", events.enabled)
+        recorder = KVEventRecorder(args.page_size, events.enabled)
         tree = RadixCache(args.page_size, allocator.free_slots, disable=args.disable_radix_cache,
                           eviction_policy=args.radix_eviction_policy, events=recorder)
         kv_pool = KVPool(allocator.num_slots, layers, kv_heads, head_dim, dtype, device,

@@ -42,13 +42,23 @@ class RouterProcess(LoggedProcess):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.router = router
+        self.metrics_port = free_port()
         super().__init__([sys.executable, "-m", ROUTERS[router], "--worker-urls", *worker_urls,
                           "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port),
-                          "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                          "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
                           "--log-level", "warn", *flags], f"{router}-")
 
     def workers(self) -> list[dict[str, Any]]:
         return httpx.get(self.base_url + "/workers", timeout=10).json()["workers"]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the router's own Prometheus samples ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for line in httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text.splitlines():
+            head, _, value = line.rpartition(" ")
+            if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
 
     def labels(self, worker: dict[str, Any]) -> dict[str, str]:
         """What the router read from a listed worker's /server_info and /model_info (smg calls
