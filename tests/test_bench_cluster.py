@@ -16,7 +16,8 @@ def test_quick_cluster_report(tmp_path, tiny_chat_model) -> None:
                    "--out", str(out)])
     assert json.loads(out.read_text()) == report
     runs = report["routing"]["runs"]
-    assert [r["config"] for r in runs] == ["cache_aware", "cache_aware+events", "round_robin", "direct", "single"]
+    assert [r["config"] for r in runs] == ["cache_aware", "cache_aware+events", "sglang-router/cache_aware", "round_robin",
+                                                 "direct", "single"]
     requests = report["routing"]["workload"]["requests"]
     for r in runs:
         s = r["summary"]

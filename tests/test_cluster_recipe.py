@@ -21,7 +21,8 @@ RECIPE = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 
 
 def free_base_port() -> int:
-    """A port P with P, P+1, P+2 and P+1000 (the router's metrics) free on loopback."""
+    """A port P with P, P+1, P+2, P+1000 (the router's metrics) and the EVENTS=1 ports (gRPC
+    P+101, P+102; KV events P+201, P+202; their replay P+301, P+302) free on loopback."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -30,7 +31,7 @@ def free_base_port() -> int:
             continue
         try:
             socks = []
-            for p in (base, base + 1, base + 2, base + 1000):
+            for p in (base, base + 1, base + 2, base + 1000, *(base + k + i for k in (100, 200, 300) for i in (1, 2))):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", p))
@@ -69,10 +70,15 @@ def stop(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
-def test_workers_and_router_scripts_serve_a_chat_and_stop_together(tiny_chat_model: str, tmp_path) -> None:
+@pytest.mark.parametrize("events", [False, True], ids=["http", "grpc-kv-events"])
+def test_workers_and_router_scripts_serve_a_chat_and_stop_together(tiny_chat_model: str, tmp_path,
+                                                                   events: bool) -> None:
+    """EVENTS=1: the same recipe with smg talking to the workers over gRPC and routing on their
+    KV events."""
     base = free_base_port()
     env = {**os.environ, "PORT": str(base),
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+           **({"EVENTS": "1"} if events else {})}
     log = open(tmp_path / "workers.log", "w")  # noqa: SIM115 - closed below
     workers = subprocess.Popen([str(RECIPE / "workers.sh"), "2", "--model", tiny_chat_model, "--dtype", "float32",
                                 "--served-model-name", "tiny"], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -95,8 +101,13 @@ def test_workers_and_router_scripts_serve_a_chat_and_stop_together(tiny_chat_mod
         through = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
         direct = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 1}/v1", api_key="none").chat.completions.create(
             model="tiny", messages=messages, max_tokens=8, temperature=0)
-        assert through.choices[0].message.content == direct.choices[0].message.content  # same weights, greedy
+        got, want = through.choices[0].message.content, direct.choices[0].message.content  # same weights, greedy
+        assert got == want if not events else (got or "").strip() == want.strip()  # smg trims whitespace
         assert through.usage.completion_tokens == 8
+        if events:  # smg subscribed to both workers' KV events
+            metrics = httpx.get(f"http://127.0.0.1:{base + 1000}/metrics", timeout=10).text
+            for i in (1, 2):
+                assert f'smg_kv_event_subscriptions_total{{worker="grpc://127.0.0.1:{base + 100 + i}"}} 1' in metrics
         assert stop(router) in (0, -signal.SIGTERM, 143)
         router = None
         assert stop(workers) == 0  # every worker stopped, a clean exit

@@ -201,3 +201,52 @@ def test_bad_settings_are_refused_before_the_model_loads(tiny_chat_model) -> Non
                           "--kv-events-config", '{"publisher": "kafka"}'], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0 and "publisher must be zmq" in out.stderr
+
+
+def test_the_disk_tier_is_announced_and_its_blocks_found_again_after_a_restart(tiny_chat_model, tmp_path) -> None:
+    """A disk tier of 4 blocks (64 tokens each): every block written is stored in ``DISK`` under
+    its pages' hashes, every block the tier trims is removed; a server restarted on the same
+    folder announces a block of the earlier run once a request hashes its tokens again."""
+    disk = tmp_path / "kv"
+
+    def start() -> tuple[ServerProcess, Subscriber]:
+        ports = free_port(), free_port()
+        config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports[0]}", "bind": True,
+                  "replay_endpoint": f"tcp://127.0.0.1:{ports[1]}"}
+        srv = ServerProcess("--model", tiny_chat_model, "--page-size", str(PAGE), "--max-total-tokens", "1024",
+                            "--disk-cache-dir", str(disk), "--disk-cache-size", "256", "--context-length", "512",
+                            "--kv-events-config", json.dumps(config)).wait_ready()
+        s = Subscriber(config["endpoint"], config["replay_endpoint"], "")
+        time.sleep(0.3)
+        s.replay(0)
+        return srv, s
+
+    def disk_pages(srv: ServerProcess) -> int:
+        stats = server_info(srv)["stats"]
+        return stats["disk_blocks"] * stats["disk_block_tokens"] // PAGE
+
+    srv, sub = start()
+    try:
+        first = prompt(30, 130)  # two disk blocks
+        generate(srv, first, max_new_tokens=1)
+        sub.drain(lambda index: len(index.held().get("DISK", ())) == disk_pages(srv) == 32)
+        assert sub.index.prompt_blocks("DISK", first, PAGE) == 32  # its first 128 tokens, in order
+        for i in range(4):  # eight more blocks through a tier of four: the oldest are trimmed
+            generate(srv, prompt(31 + i, 130), max_new_tokens=1)
+        index = sub.drain(lambda index: len(index.held().get("DISK", ())) == disk_pages(srv) == 64)
+        assert index.prompt_blocks("DISK", first, PAGE) == 0  # trimmed, and said so
+        last = prompt(34, 130)
+    finally:
+        sub.close()
+        assert srv.stop() == 0, srv.log()
+    srv, sub = start()  # the same folder: the blocks are there, not yet announced
+    try:
+        assert server_info(srv)["stats"]["disk_blocks"] == 4
+        assert not sub.index.held().get("DISK")
+        out = generate(srv, last, max_new_tokens=1)
+        assert out["meta_info"]["cached_tokens"] >= 128  # loaded from the disk
+        index = sub.drain(lambda index: index.prompt_blocks("DISK", last, PAGE) == 32)
+        assert len(index.held()["DISK"]) == 32
+    finally:
+        sub.close()
+        assert srv.stop() == 0, srv.log()

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Start N radixserve workers for SGLang's router, on 127.0.0.1:$PORT+1 .. $PORT+N, each pinned
-# to its own share of the cores (OMP_NUM_THREADS and taskset), one command for all of them:
+# Start N radixserve workers for smg (or sglang-router), on 127.0.0.1:$PORT+1 .. $PORT+N, each
+# pinned to its own share of the cores (OMP_NUM_THREADS and taskset), one command for all of them:
 #
 #   examples/cluster/workers.sh 2                        # ports 30001 and 30002
 #   PORT=40000 examples/cluster/workers.sh 4 --dtype bfloat16 --max-total-tokens 50000
+#   EVENTS=1 examples/cluster/workers.sh 2               # + gRPC on 30101, 30102 and KV events
 #
+# EVENTS=1: each worker i also serves SGLang's scheduler gRPC service on $PORT+100+i and
+# publishes its KV events on $PORT+200+i (replay on $PORT+300+i), for smg's event-driven
+# routing (EVENTS=1 router.sh).
 # Flags after N go to every `radixserve serve`.  It returns once every worker answers /health,
 # then keeps running: Ctrl-C (or SIGTERM) stops all workers, and one worker exiting stops the rest.
 set -euo pipefail
@@ -19,8 +23,12 @@ trap 'stop; exit 0' INT TERM
 trap stop EXIT
 for i in $(seq 1 "$n"); do
   first=$(( (i - 1) * per % cores ))
+  events=()
+  if [ -n "${EVENTS:-}" ]; then
+    events=(--grpc-port $(( port + 100 + i )) --kv-events-config "{\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:$(( port + 200 + i ))\", \"bind\": true, \"replay_endpoint\": \"tcp://127.0.0.1:$(( port + 300 + i ))\"}")
+  fi
   OMP_NUM_THREADS=$per taskset -c "$first-$(( first + per - 1 ))" \
-    radixserve serve --host 127.0.0.1 --port $(( port + i )) "$@" &
+    radixserve serve --host 127.0.0.1 --port $(( port + i )) "${events[@]}" "$@" &
   pids+=("$!")
 done
 for i in $(seq 1 "$n"); do

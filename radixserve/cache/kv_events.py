@@ -12,10 +12,11 @@ indexes the events' tokens needs nothing but the chain.
 ``medium`` is the tier, in SGLang's names: ``GPU`` for the pool the model reads (SGLang's L1,
 whatever the device: routers read it as "on the worker, ready"), ``CPU_PINNED`` for the host
 tier and ``DISK`` for the disk tier.  A node moving between tiers is a removal from one and a
-store in the other.
+store in the other.  The disk tier (``cache/tiers``) announces a block when it writes it, or
+when a request's tokens name a block an earlier run left there, and removes it when trimmed.
 
 The tree calls :class:`KVEventRecorder` (``RadixCache.events``); the scheduler takes the
-queued events after each step and hands them to the publisher (``scheduler/kv_events.py``).
+queued events after each step and hands them to the publisher (``ipc/kv_events.py``).
 """
 
 from __future__ import annotations
@@ -79,39 +80,49 @@ class KVEventRecorder:
     def stored(self, node: TreeNode, tier: str | None = None) -> None:
         if not self.enabled:
             return
-        digests = self._digests(node)
         parent = node.parent
         parent_hash = None
         if parent is not None and parent.parent is not None:
             parent_hash = block_hash(self._digests(parent)[-1])
-        salt = self._salt(node)
-        hashes = [block_hash(d) for d in digests]
-        medium = self.medium[tier or node.tier]
-        tokens = node.key.tolist()
+        hashes = [block_hash(d) for d in self._digests(node)]
+        self.stored_pages(hashes, parent_hash, node.key.tolist(), tier or node.tier, self._salt(node))
+
+    def removed(self, node: TreeNode, tier: str | None = None) -> None:
+        if self.enabled:
+            self.removed_hashes([block_hash(d) for d in self._digests(node)], tier or node.tier)
+
+    def stored_pages(self, hashes: list[int], parent_hash: int | None, tokens: list[int], tier: str,
+                     salt: str = "") -> None:
+        """Pages that entered ``tier`` (their hashes, the page before them, their tokens)."""
+        medium = self.medium[tier]
         tail = self._queue[-1] if self._queue else None
         if (tail is not None and tail["type"] == "BlockStored" and tail.get("medium") == medium
-                and tail.get("cache_salt") == salt and tail["block_hashes"]
+                and tail.get("cache_salt", "") == salt and tail["block_hashes"]
                 and tail["block_hashes"][-1] == parent_hash):
             tail["block_hashes"].extend(hashes)
             tail["token_ids"].extend(tokens)
             return
-        event: dict[str, Any] = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent_hash,
-                                 "token_ids": tokens, "block_size": self.page_size, "lora_id": None,
+        event: dict[str, Any] = {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent_hash,
+                                 "token_ids": list(tokens), "block_size": self.page_size, "lora_id": None,
                                  "medium": medium}
         if salt:
             event["cache_salt"] = salt
         self._queue.append(event)
 
-    def removed(self, node: TreeNode, tier: str | None = None) -> None:
-        if not self.enabled:
-            return
-        hashes = [block_hash(d) for d in self._digests(node)]
-        medium = self.medium[tier or node.tier]
+    def removed_hashes(self, hashes: list[int], tier: str) -> None:
+        """Pages that left ``tier``."""
+        medium = self.medium[tier]
         tail = self._queue[-1] if self._queue else None
         if tail is not None and tail["type"] == "BlockRemoved" and tail["medium"] == medium:
             tail["block_hashes"].extend(hashes)
         elif hashes:
-            self._queue.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium})
+            self._queue.append({"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium})
+
+    def page_hashes(self, tokens: np.ndarray, namespace: str) -> list[int]:
+        """The hashes of the whole pages of a prompt of ``namespace`` (from position 0)."""
+        whole = len(tokens) // self.page_size * self.page_size
+        prior = salt_digest(namespace) if namespace else None
+        return [block_hash(d) for d in page_digests(tokens[:whole], self.page_size, prior)]
 
     def cleared(self, root: TreeNode) -> None:
         """The tree is empty again, with ``root`` its unsalted root."""

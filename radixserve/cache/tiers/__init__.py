@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from radixserve.cache.allocator import PageAllocator
+from radixserve.cache.kv_events import DISK
 from radixserve.cache.kv_pool import KVPool, copy_slots
 from radixserve.cache.radix_tree import RadixCache, TreeNode
 from radixserve.cache.tiers.disk import DiskStore, block_names, identity_hash
@@ -88,6 +89,8 @@ class TierManager:
         if self.host_alloc is not None:
             tree.demote = self.demote
             tree.free_host_slots = self.free_host
+        if self.disk is not None and tree.events.enabled:
+            self.disk.on_drop = lambda hashes: tree.events.removed_hashes(hashes, DISK)
 
     def attach_device(self, allocator: PageAllocator, evict_pages: Callable[[int], None]) -> None:
         """The device side (the KV manager's): its page allocator, and eviction of ``n`` device
@@ -189,13 +192,22 @@ class TierManager:
 
     def write_through(self, state: ReqTiers, tokens: np.ndarray, namespace: str, row_slots: np.ndarray) -> None:
         """Store the full blocks of ``tokens`` (a request's computed ids from position 0,
-        their KV in ``row_slots``: tree slots and the request's own) that the disk lacks."""
+        their KV in ``row_slots``: tree slots and the request's own) that the disk lacks; with
+        KV events on, announce the blocks of the prompt the disk holds and has not announced
+        (just written, or found there from an earlier run)."""
         assert self.disk is not None
         names = self.block_names(state, tokens, namespace)
-        if state.stored >= len(names):
-            return
+        if state.stored < len(names):
+            self._write_blocks(names, state.stored, row_slots)
+            self.disk.touch(names)
+            state.stored = len(names)
+        if self.tree is not None and self.tree.events.enabled:
+            self._announce(names, tokens, namespace)
+
+    def _write_blocks(self, names: list[bytes], start: int, row_slots: np.ndarray) -> None:
+        assert self.disk is not None
         bt = self.block_tokens
-        new = [i for i in range(state.stored, len(names)) if names[i] not in self.disk]
+        new = [i for i in range(start, len(names)) if names[i] not in self.disk]
         if new:
             slots = np.concatenate([row_slots[i * bt : (i + 1) * bt] for i in new])
             kv = self.device_pool.gather(slots)  # [2, layers, n * bt, slot bytes] uint8
@@ -208,8 +220,20 @@ class TierManager:
                 kv = host
             self.disk.write([names[i] for i in new], [kv[:, :, j * bt : (j + 1) * bt] for j in range(len(new))],
                             ready)
-        self.disk.touch(names)
-        state.stored = len(names)
+
+    def _announce(self, names: list[bytes], tokens: np.ndarray, namespace: str) -> None:
+        """KV events for the disk blocks of a prompt (``names``) not announced yet."""
+        assert self.disk is not None and self.tree is not None
+        todo = [i for i, name in enumerate(names) if self.disk.unannounced(name)]
+        if not todo:
+            return
+        events, bt, per = self.tree.events, self.block_tokens, self.block_tokens // self.page_size
+        hashes = events.page_hashes(tokens[: len(names) * bt], namespace)
+        for i in todo:
+            block = hashes[i * per : (i + 1) * per]
+            events.stored_pages(block, hashes[i * per - 1] if i else None, tokens[i * bt : (i + 1) * bt].tolist(),
+                                DISK, namespace)
+            self.disk.announced(names[i], block)
 
     def prefetch(self, state: ReqTiers, tokens: np.ndarray, namespace: str) -> None:
         """For a request that starts to wait, ``tokens`` the part of its ids it may take from
@@ -258,6 +282,8 @@ class TierManager:
         if result.blocks:
             end = self._insert_blocks(tokens, namespace, load, result.blocks)
             state.disk_tokens = max(0, end - load.matched)
+            if self.tree.events.enabled:  # blocks from an earlier run are known by their tokens now
+                self._announce(self.block_names(state, tokens[:end], namespace), tokens, namespace)
             found = self.tree.match_prefix(tokens[:end], namespace) if self.host_pool is not None else None
             if hold and found is not None and found.host_nodes:
                 held = found.host_nodes[-1]

@@ -30,7 +30,7 @@ import logging
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -83,7 +83,10 @@ class DiskStore:
         if others:
             logger.info("disk KV cache: %d folder(s) in %s belong to another model, dtype or layout; "
                         "they are ignored: %s", len(others), root, ", ".join(sorted(others)[:4]))
-        self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first
+        # LRU first; each block's page hashes once announced in KV events (None: not yet, e.g. a
+        # block from an earlier run, whose tokens nobody has hashed since).
+        self._index: OrderedDict[bytes, list[int] | None] = OrderedDict()
+        self.on_drop: Callable[[list[int]], None] | None = None  # a dropped block's page hashes
         files = sorted(self.dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
         for path in files:
             try:
@@ -116,6 +119,12 @@ class DiskStore:
             if name in self._index:
                 self._index.move_to_end(name)
 
+    def unannounced(self, name: bytes) -> bool:
+        return name in self._index and self._index[name] is None
+
+    def announced(self, name: bytes, page_hashes: list[int]) -> None:
+        self._index[name] = page_hashes
+
     def run_length(self, names: Sequence[bytes]) -> int:
         """How many leading blocks of ``names`` the store holds."""
         n = 0
@@ -143,7 +152,7 @@ class DiskStore:
         """Drop blocks found bad by a load from the index (their files are already gone)."""
         for name in names:
             if name in self._index:  # not a block trimmed while its load was queued
-                del self._index[name]
+                self._dropped(self._index.pop(name))
                 self.corrupt_blocks += 1
 
     def close(self, timeout: float = 3.0) -> None:
@@ -156,8 +165,13 @@ class DiskStore:
 
     def _trim(self) -> None:
         while len(self._index) > self.capacity_blocks:
-            name, _ = self._index.popitem(last=False)
+            name, hashes = self._index.popitem(last=False)
             self._io.submit(self._path(name).unlink, True)
+            self._dropped(hashes)
+
+    def _dropped(self, page_hashes: list[int] | None) -> None:
+        if page_hashes and self.on_drop is not None:
+            self.on_drop(page_hashes)
 
     # ---- on the I/O thread -------------------------------------------------------------
     def _write_file(self, name: bytes, block: torch.Tensor, ready: Any = None) -> None:
