@@ -242,8 +242,7 @@ class ServerArgs:
         if self.disable_radix_cache and (self.host_cache_size or self.disk_cache_dir):
             raise ValueError("host and disk KV tiers hold the prefix cache: they need it on "
                              "(drop --disable-radix-cache)")
-        if self.kv_events_config:
-            KVEventsConfig.parse(self.kv_events_config)
+        KVEventsConfig.of(self.kv_events_config)  # refused here, before the model loads
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
         if self.tp_size > 1 and (self.host_cache_size or self.disk_cache_dir or self.preemption_mode == "swap"):

@@ -133,7 +133,7 @@ class SchedulerService:
                                               hints=SchedulingHints()):
                 out_ids += piece.output_ids
                 delta = _logprobs(self.pb, piece) if logprob else None
-                if delta is not None:
+                if delta is not None and not request.stream:  # the complete carries them whole
                     logprobs.MergeFrom(delta)
                 meta = piece.meta
                 if request.stream and piece.output_ids:
@@ -202,11 +202,11 @@ class SchedulerService:
                                                 sha256=hashlib.sha256(data).hexdigest() if last else "")
 
     async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        if not self.st.args.kv_events_config or not KVEventsConfig.parse(self.st.args.kv_events_config).enabled:
+        config = KVEventsConfig.of(self.st.args.kv_events_config)
+        if not config.enabled:
             await context.abort(self.grpc.StatusCode.UNIMPLEMENTED, "KV events are off: start radixserve with "
                                 "--kv-events-config '{\"publisher\": \"zmq\", ...}'")
-        async for batch in KVEventRelay(self.st, KVEventsConfig.parse(self.st.args.kv_events_config)).batches(
-                request.start_sequence_number):
+        async for batch in KVEventRelay(self.st, config).batches(request.start_sequence_number):
             yield _batch_proto(self.common, *batch)
 
 

@@ -144,8 +144,7 @@ async def server_info(request: Request) -> JSONBytesResponse:
         "max_running_requests": st.info.max_running_requests,
         "speculative_algorithm": st.info.speculative_algorithm,
         # Where a KV-aware router subscribes to this worker's KV events (SGLang's descriptor).
-        "kv_events": KVEventsConfig.parse(st.args.kv_events_config).describe(st.info.page_size)
-        if st.args.kv_events_config else None,
+        "kv_events": KVEventsConfig.of(st.args.kv_events_config).describe(st.info.page_size),
         "server_args": args,
         "model_info": st.info.to_dict(),
         "stats": stats,

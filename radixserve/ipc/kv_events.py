@@ -48,6 +48,11 @@ class KVEventsConfig:
     format: str = "default"  # SGLang's event format (its "dynamo" variant is not offered)
 
     @classmethod
+    def of(cls, text: str | None) -> KVEventsConfig:
+        """The settings ``--kv-events-config`` gives (publishing off when it is unset)."""
+        return cls.parse(text) if text else cls()
+
+    @classmethod
     def parse(cls, text: str) -> KVEventsConfig:
         """The settings from their JSON text; ValueError naming what is wrong."""
         try:

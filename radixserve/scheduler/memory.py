@@ -80,7 +80,7 @@ class KVMemory:
 
         allocator = PageAllocator(num_pages, args.page_size)
         req_pool = ReqToTokenPool(max_running, context_len + args.page_size, device)
-        events = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config else KVEventsConfig()
+        events = KVEventsConfig.of(args.kv_events_config)
         recorder = KVEventRecorder(args.page_size, events.enabled)
         tree = RadixCache(args.page_size, allocator.free_slots, disable=args.disable_radix_cache,
                           eviction_policy=args.radix_eviction_policy, events=recorder)
