@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from radixserve.disagg.settings import check_disaggregation
 from radixserve.hardware import (  # config.cpu_bf16_feature is what resolve() reads (tests patch it)
     _torch_cuda,
     cpu_bf16_feature,
@@ -114,6 +115,20 @@ class ServerArgs:
         "publish the radix tree's changes for KV-aware routers, SGLang's JSON: "
         "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
         "(default: off)")
+    disaggregation_mode: str = setting(
+        "null",
+        "prefill-decode disaggregation (smg --pd-disaggregation pairs the workers): null (this worker "
+        "prefills and decodes), prefill (computes prompts, sends their KV to the decode worker a "
+        "request names) or decode (receives a prompt's KV, then decodes)")
+    disaggregation_bootstrap_port: int = setting(
+        8998, "a prefill worker's port for its decode workers: they fetch the KV of their requests "
+              "here (give it to smg after the prefill URL)")
+    disaggregation_transfer_backend: str = setting(
+        "zmq", "how the KV moves from prefill to decode: zmq (TCP, between processes and hosts, CPU "
+               "or GPU) or nixl (needs the nixl package and a GPU)")
+    disaggregation_timeout: float = setting(
+        30.0, "seconds a prefill worker waits for the decode worker of a request (and a decode worker "
+              "for the KV of one) before the request fails")
     tp_size: int = setting(
         1,
         "tensor parallelism: split the model over N processes (gloo on a CPU, NCCL over N GPUs)")
@@ -243,6 +258,7 @@ class ServerArgs:
             raise ValueError("host and disk KV tiers hold the prefix cache: they need it on "
                              "(drop --disable-radix-cache)")
         KVEventsConfig.of(self.kv_events_config)  # refused here, before the model loads
+        check_disaggregation(self)
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
         if self.tp_size > 1 and (self.host_cache_size or self.disk_cache_dir or self.preemption_mode == "swap"):

@@ -49,8 +49,7 @@ class ThroughputWindow:
         return self.rate
 
 
-def load_snapshot(stats: dict[str, Any], info: ModelInfo, include: set[str], gen_rate: float,
-                  disaggregation_mode: str = "null") -> dict[str, Any]:
+def load_snapshot(stats: dict[str, Any], info: ModelInfo, include: set[str], gen_rate: float) -> dict[str, Any]:
     """One rank's snapshot from the scheduler's stats, with the sections ``include`` names."""
     page = info.page_size
     capacity = stats["total_pages"] * page
@@ -85,7 +84,8 @@ def load_snapshot(stats: dict[str, Any], info: ModelInfo, include: set[str], gen
         load["speculative"] = {"accept_length": stats["spec_accept_length"],
                                "accept_rate": stats["spec_accepted_tokens"] / max(1, stats["spec_draft_tokens"])}
     if every or "disagg" in include:
-        load["disaggregation"] = {"mode": disaggregation_mode}
+        # a prefill or decode worker's transfers: counts, bytes moved, seconds spent (radixserve/disagg)
+        load["disaggregation"] = stats.get("disaggregation") or {"mode": info.disaggregation_mode}
     if every or "queues" in include:
         load["queues"] = {"waiting": stats["waiting"], "grammar": stats.get("grammar_waiting", 0)}
     return load

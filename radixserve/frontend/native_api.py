@@ -54,7 +54,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     prompt_param = "text" if body.text is not None else "input_ids"
     try:
         batched, specs = split_batch(body.text, body.input_ids, body.sampling_params, body.extra_key,
-                                     priority=body.priority or 0, cache_report=body.return_cache_report)
+                                     priority=body.priority or 0, cache_report=body.return_cache_report,
+                                     bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room))
     except InvalidRequestError as e:
         raise APIError(str(e), 400, param=e.param) from None
 

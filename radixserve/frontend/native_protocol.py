@@ -22,6 +22,10 @@ SamplingParamsField = Annotated[
 ]
 
 
+Port = Annotated[StrictInt, Field(ge=1, le=65535)]
+Room = Annotated[StrictInt, Field(ge=0, lt=2**64)]
+
+
 class GenerateRequest(RequestBody):
     """Native ``/generate`` (SGLang's shape).  SGLang's fields for features radixserve lacks
     (images, LoRA, sessions, ...) are ``SGLANG_FIELDS``'s."""
@@ -42,6 +46,11 @@ class GenerateRequest(RequestBody):
     # meta_info.cache_report: where the prefix match stopped and what the cache held from there
     return_cache_report: StrictBool = False
     model: str | None = None  # SGLang's router sends null; a name must be the served model's
+    # SGLang's bootstrap fields (one, or one per prompt): smg's PD mode names the prefill worker
+    # and the request's room (radixserve/disagg)
+    bootstrap_host: str | list[str | None] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
+    bootstrap_room: Room | list[Room] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -39,6 +39,7 @@ from radixserve.frontend.sglang_fields import (
     COMPLETIONS,
     take_sglang_fields,
 )
+from radixserve.runtime.jobs import bootstraps
 from radixserve.runtime.tokenizer_manager import (
     MAX_EXTRA_KEY_CHARS,
     PRIORITY_LIMIT,
@@ -105,6 +106,10 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
     priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
     # usage.cache_report: where the prompt's prefix match stopped (the first prompt's)
     return_cache_report: StrictBool = False
+    # SGLang's bootstrap fields: smg's PD mode names the prefill worker and the request's room
+    bootstrap_host: str | None = None
+    bootstrap_port: StrictInt | None = Field(None, ge=1, le=65535)
+    bootstrap_room: StrictInt | None = Field(None, ge=0, lt=2**64)
     # Constrained decoding: at most one of response_format (other than text), regex, ebnf,
     # json_schema.  regex and ebnf use xgrammar's dialects; the grammar backend checks them.
     response_format: ResponseFormat | None = None
@@ -179,7 +184,8 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
     def hints(self) -> SchedulingHints:
         """The cache namespace and priority level of this request."""
         return SchedulingHints(self.cache_salt or self.extra_key or "", self.priority or 0,
-                               cache_report=self.return_cache_report)
+                               cache_report=self.return_cache_report,
+                               bootstrap=bootstraps(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, 1)[0])
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling_params for this body (what it leaves out takes the default)."""

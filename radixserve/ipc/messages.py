@@ -211,9 +211,20 @@ class ModelInfo:
     speculative_algorithm: str | None
     tokenizer_path: str
     torch_threads: int
+    disaggregation_mode: str = "null"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request's KV comes from (SGLang's fields, set by smg): the prefill
+    worker's host and bootstrap port, and the room naming the request on both workers."""
+
+    host: str
+    port: int
+    room: str
 
 
 @message("generate")
@@ -232,6 +243,7 @@ class GenerateReq:
     pin: bool = False  # when it finishes, pin its cached prompt (scheduler/pins.py)
     pin_ttl: float | None = None  # seconds the pin lasts; None: until unpinned
     return_cache_report: bool = False  # meta carries where the prefix match stopped (cache/tree_view.py)
+    bootstrap: Bootstrap | None = None  # prefill-decode disaggregation (radixserve/disagg)
 
 
 @message("abort")

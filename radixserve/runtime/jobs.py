@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.disagg.settings import DEFAULT_BOOTSTRAP_PORT
+from radixserve.disagg.wire import room_key
+from radixserve.ipc.messages import Bootstrap
 from radixserve.runtime.tokenizer_manager import InvalidRequestError, SchedulingHints
 from radixserve.sampling import SamplingParams
 
@@ -44,6 +47,7 @@ def split_batch(
     *,
     priority: int = 0,
     cache_report: bool = False,
+    bootstrap: tuple[Any, Any, Any] | None = None,
 ) -> tuple[bool, list[PromptSpec]]:
     """``(batched, specs)``; InvalidRequestError (a ValueError) whose ``param`` is the field."""
     if text is None and input_ids is None:
@@ -73,8 +77,30 @@ def split_batch(
     keys = extra_key if isinstance(extra_key, list) else [extra_key] * n
     if len(keys) != n:
         raise InvalidRequestError(f"{len(keys)} extra_key values for {n} prompts", param="extra_key")
-    hints = [SchedulingHints(key or "", priority, cache_report=cache_report) for key in keys]
+    rooms = bootstraps(*bootstrap, n) if bootstrap is not None else [None] * n
+    hints = [SchedulingHints(key or "", priority, cache_report=cache_report, bootstrap=b)
+             for key, b in zip(keys, rooms, strict=True)]
     return batched, [PromptSpec(t, ids, sp, h) for t, ids, sp, h in zip(texts, ids_list, sps, hints, strict=True)]
+
+
+def bootstraps(host: Any, port: Any, room: Any, n: int) -> list[Bootstrap | None]:
+    """SGLang's bootstrap fields of a call of ``n`` prompts (each one value, or one per prompt)
+    as each prompt's :class:`Bootstrap`; one room given to a batch names prompt i ``room.i``.
+    A null ``bootstrap_port`` is SGLang's default port."""
+    if room is None:
+        return [None] * n
+    columns = []
+    for name, value in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room)):
+        if isinstance(value, list):
+            if len(value) != n:
+                raise InvalidRequestError(f"{len(value)} {name} values for {n} prompts", param=name)
+            columns.append(value)
+        else:
+            columns.append([value] * n)
+    shared = not isinstance(room, list) and n > 1
+    return [None if r is None else Bootstrap(h or "", DEFAULT_BOOTSTRAP_PORT if p is None else p,
+                                             room_key(r, i if shared else None))
+            for i, (h, p, r) in enumerate(zip(*columns, strict=True))]
 
 
 Prepare = Callable[[PromptSpec], tuple[list[int], SamplingParams]]

@@ -70,6 +70,8 @@ class SchedulingHints:
     pin: bool = False
     pin_ttl: float | None = None
     cache_report: bool = False
+    # SGLang's bootstrap fields (smg's PD mode): the prefill worker and the request's room
+    bootstrap: m.Bootstrap | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.extra_key, str) or len(self.extra_key) > MAX_EXTRA_KEY_CHARS:
@@ -80,6 +82,13 @@ class SchedulingHints:
                                       param="priority")
         if self.pin_ttl is not None and not (isinstance(self.pin_ttl, (int, float)) and 0 < self.pin_ttl < 1e9):
             raise InvalidRequestError(f"ttl must be a positive number of seconds, got {self.pin_ttl!r}", param="ttl")
+
+    def choice(self, index: int | None) -> SchedulingHints:
+        """The hints of choice ``index`` of several (n > 1): its own bootstrap room."""
+        if self.bootstrap is None or index is None:
+            return self
+        b = self.bootstrap
+        return dataclasses.replace(self, bootstrap=m.Bootstrap(b.host, b.port, f"{b.room}.{index}"))
 
 
 def decode_divergence(tokenizer: Any, report: dict[str, Any]) -> dict[str, Any]:
@@ -216,6 +225,7 @@ class TokenizerManager:
             pin=hints.pin,
             pin_ttl=None if hints.pin_ttl is None else float(hints.pin_ttl),
             return_cache_report=hints.cache_report,
+            bootstrap=self._bootstrap(hints),
         )
         finished = False  # the scheduler sent this request's terminal row
         try:
@@ -234,6 +244,20 @@ class TokenizerManager:
             self.by_rid.pop(rid, None)
             if not finished and not self.dead_reason:
                 await self.send_sock.send(m.encode(m.AbortReq(rid=key)))
+
+    def _bootstrap(self, hints: SchedulingHints) -> m.Bootstrap | None:
+        """The request's bootstrap fields, checked against what this worker is."""
+        if hints.bootstrap is None:
+            return None
+        if self.info.disaggregation_mode == "null":
+            raise InvalidRequestError(
+                "bootstrap_room asks for prefill-decode disaggregation, and this worker prefills and "
+                "decodes itself: start a pair with --disaggregation-mode prefill and decode",
+                param="bootstrap_room")
+        if self.info.disaggregation_mode == "decode" and not hints.bootstrap.host:
+            raise InvalidRequestError("a decode worker needs bootstrap_host: the prefill worker to take the "
+                                      "KV from", param="bootstrap_host")
+        return hints.bootstrap
 
     async def abort(self, rid: str) -> bool:
         """Abort the running request with the client's id ``rid``; False if there is none."""

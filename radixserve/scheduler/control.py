@@ -85,6 +85,7 @@ class SchedulerControl:
             speculative_algorithm=self.args.speculative_algorithm,
             tokenizer_path=tokenizer_path,
             torch_threads=torch_threads,
+            disaggregation_mode=self.args.disaggregation_mode,
         )
 
     def record_near_miss(self, req: Req) -> None:

@@ -162,6 +162,7 @@ def _start(args: ServerArgs, model_path: str, folder: str) -> tuple[Any, m.Model
     """Load the model (this rank's shard), build the scheduler; its start-up info."""
     import torch
 
+    from radixserve.disagg.scheduler import DisaggScheduler
     from radixserve.distributed.group import SINGLE, init_group, rank_device
     from radixserve.model.gguf_index import gguf_source
     from radixserve.model.loader import load_model
@@ -178,7 +179,8 @@ def _start(args: ServerArgs, model_path: str, folder: str) -> tuple[Any, m.Model
     loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp,
                         load_format=args.load_format, quantization=args.quantization,
                         gguf_path=gguf_source(args.model) if args.quantization == "gguf" else None)
-    sched = Scheduler(args, loaded.model, loaded.config, None)
+    kind = Scheduler if args.disaggregation_mode == "null" else DisaggScheduler
+    sched = kind(args, loaded.model, loaded.config, None)
     # Stop strings only decode (the tokenizers library, milliseconds); grammars need the
     # transformers tokenizer, whose import takes seconds: loaded for the first of them.
     sched.attach_tokenizer(load_decoder(loaded.tokenizer_path), DeferredTokenizer(loaded.tokenizer_path))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixserve.ipc.messages import FinishReason, PinResult
+from radixserve.ipc.messages import Bootstrap, FinishReason, PinResult
 from radixserve.validation import check_logprob_start_len
 
 if TYPE_CHECKING:
@@ -123,6 +123,7 @@ class Req:
         self.kv = KVRow()
         self.hit = CacheHit()
         self.return_cache_report = False
+        self.bootstrap: Bootstrap | None = None  # its KV comes from / goes to another worker (disagg)
         self.admit_seq = 0  # order of admission, for retraction (latest first)
         self.out = Unsent()
         self.num_retractions = 0

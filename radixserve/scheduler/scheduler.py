@@ -89,7 +89,7 @@ class Scheduler(SchedulerControl):
         self._step_counter = 0
         self._errors: list[ErrorOut] = []
         self.near_misses: deque[dict[str, Any]] = deque(maxlen=NEAR_MISS_RING)
-        self._aborted: list[Req] = []
+        self._ended: list[Req] = []  # ended between steps (aborted, KV handed on): the next step reports them
         self._last_forward_s = 0.0
 
     def attach_tokenizer(self, decoder: Any, tokenizer: Any) -> None:
@@ -152,7 +152,7 @@ class Scheduler(SchedulerControl):
         req.finish_reason = FinishReason("abort")
         req.state = ReqState.FINISHED
         self.stats.requests_aborted += 1
-        self._aborted.append(req)
+        self._ended.append(req)
 
     def drop(self, rid: str) -> None:
         """Forget a request without an output row (its error is answered by the caller),
@@ -164,19 +164,19 @@ class Scheduler(SchedulerControl):
             self.abort(rid)
         except Exception:  # broken state: forget the request all the same
             logger.exception("could not abort request %s cleanly", rid)
-        if req in self._aborted:
-            self._aborted.remove(req)
+        if req in self._ended:
+            self._ended.remove(req)
         del self.reqs[rid]
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._aborted)
+        return bool(self.waiting or self.running or self.chunked or self._ended)
 
     @property
     def only_compiling(self) -> bool:
         """Nothing can run until a grammar finishes compiling (the loop may wait a little)."""
         return (
-            not self.running and self.chunked is None and not self._aborted
+            not self.running and self.chunked is None and not self._ended
             and all(self.kv.loading(r) or (r.grammar is None and r.grammar_future is not None)
                     for r in self.waiting)
         )
@@ -212,8 +212,8 @@ class Scheduler(SchedulerControl):
         """One iteration: reserve decode slots, admit prefill work, forward, sample, stop."""
         t_start = time.perf_counter()
         self._step_counter += 1
-        finished: list[Req] = list(self._aborted)
-        self._aborted.clear()
+        finished: list[Req] = list(self._ended)
+        self._ended.clear()
         if len(self.pins):
             self.pins.expire()
 

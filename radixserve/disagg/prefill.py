@@ -1,0 +1,206 @@
+"""The prefill worker's end of a transfer: a ROUTER socket on the bootstrap port.
+
+A request that carries a bootstrap room is computed as any other; when its first token is
+sampled the scheduler hands it here (:meth:`PrefillSide.prefilled`) instead of finishing it.
+It is sent once its decode worker has asked (``KVWant``, which may come before or after the
+prefill), and finished once the decode worker acknowledges: until then its KV stays locked.
+:meth:`PrefillSide.poll` returns what ended: ``(request, None)`` acknowledged, or
+``(request, ErrorOut fields)`` failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from radixserve.disagg.wire import KVAck, KVData, KVDrop, KVFail, KVWant, prompt_digest
+from radixserve.ipc import messages as m
+
+logger = logging.getLogger(__name__)
+HEARTBEAT_MS = 1000
+
+
+@dataclass
+class _Want:
+    peer: bytes
+    msg: KVWant
+    since: float
+
+
+@dataclass
+class Ended:
+    req: Any
+    error: str | None = None  # None: acknowledged
+    status: int = 504
+
+
+class PrefillSide:
+    def __init__(self, port: int, timeout_s: float, pool: Any, req_pool: Any, layout: str) -> None:
+        self.timeout_s = timeout_s
+        self.pool, self.req_pool, self.layout = pool, req_pool, layout
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises on send
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+        try:
+            self.sock.bind(f"tcp://*:{port}")
+        except zmq.ZMQError as e:
+            self.sock.close()
+            raise ValueError(f"cannot listen on the disaggregation bootstrap port {port}: {e}") from None
+        self.live: dict[str, Any] = {}  # room -> its request, from arrival until it ends
+        self.wants: dict[str, _Want] = {}
+        self.parked: dict[str, float] = {}  # prefilled, waiting for its decode worker's want
+        self.sent: dict[str, float] = {}  # sent, waiting for the acknowledgement
+        self.arrival: dict[str, float] = {}
+        self.doomed: dict[str, tuple[str, int]] = {}  # still prefilling, already failed: why
+        self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "send_s": 0.0}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.parked or self.sent)
+
+    def claim(self, req: Any) -> str | None:
+        """Take the request's room; the error when another request of this worker holds it."""
+        room = req.bootstrap.room
+        if room in self.live:
+            return f"bootstrap_room {room} is already in use on this prefill worker"
+        self.live[room] = req
+        self.arrival[room] = time.monotonic()
+        return None
+
+    def forget(self, req: Any) -> None:
+        """The request ended here (aborted, failed): a decode worker still asking is told."""
+        room = req.bootstrap.room
+        if self.live.get(room) is not req:
+            return
+        del self.live[room]
+        self.arrival.pop(room, None)
+        self.parked.pop(room, None)
+        self.sent.pop(room, None)
+        self.doomed.pop(room, None)
+        want = self.wants.pop(room, None)
+        if want is not None:
+            self._send(want.peer, KVFail(room=room, reason="the prefill worker's request was aborted"))
+
+    def prefilled(self, req: Any) -> list[Ended]:
+        """The request's prompt is computed and its first token sampled."""
+        room = req.bootstrap.room
+        if room in self.doomed:
+            return [self._end(room, *self.doomed[room])]
+        self.parked[room] = time.monotonic()
+        want = self.wants.get(room)
+        return self._serve(room, want) if want is not None else []
+
+    def poll(self, now: float) -> list[Ended]:
+        ended: list[Ended] = []
+        while True:
+            try:
+                peer, _, data = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except ValueError:
+                continue
+            ended += self._receive(peer, data)
+        for room, since in list(self.parked.items()):
+            if now - since > self.timeout_s:
+                ended.append(self._end(room, f"no decode worker asked for the KV of bootstrap_room {room} "
+                                             f"within {self.timeout_s:g} s", 504))
+        for room, since in list(self.sent.items()):
+            if now - since > self.timeout_s:
+                ended.append(self._end(room, f"the decode worker did not acknowledge the KV of bootstrap_room "
+                                             f"{room} within {self.timeout_s:g} s", 504))
+        for room, want in list(self.wants.items()):
+            if room not in self.live and now - want.since > self.timeout_s:
+                del self.wants[room]  # its prefill request never came; the decode side times out
+        return ended
+
+    def _receive(self, peer: bytes, data: bytes) -> list[Ended]:
+        try:
+            msg = m.decode(data)
+        except ValueError as e:
+            logger.warning("dropped a malformed message from a decode worker: %s", e)
+            return []
+        if isinstance(msg, KVWant):
+            return self._want(peer, msg)
+        if isinstance(msg, KVAck) and msg.room in self.sent:
+            return [self._end(msg.room, None)]
+        if isinstance(msg, KVDrop) and msg.room in self.live:
+            return self._fail(msg.room, f"the decode worker dropped the request: {msg.reason}", 502)
+        return []
+
+    def _fail(self, room: str, reason: str, status: int) -> list[Ended]:
+        """End the room's request now, or when its prefill is done."""
+        if room in self.parked or room in self.sent:
+            return [self._end(room, reason, status)]
+        self.wants.pop(room, None)
+        self.doomed[room] = (reason, status)
+        return []
+
+    def _want(self, peer: bytes, msg: KVWant) -> list[Ended]:
+        held = self.wants.get(msg.room)
+        if held is not None and held.peer != peer:
+            self._send(peer, KVFail(room=msg.room, reason=f"bootstrap_room {msg.room} is already claimed by "
+                                                          "another decode worker", status=400))
+            return []
+        if msg.layout != self.layout:
+            self._send(peer, KVFail(room=msg.room, reason=f"the KV layouts differ: prefill {self.layout}; "
+                                                          f"decode {msg.layout}", status=500))
+            return self._fail(msg.room, "the decode worker stores KV in another layout", 500) \
+                if msg.room in self.live else []
+        self.wants[msg.room] = _Want(peer, msg, time.monotonic())
+        return self._serve(msg.room, self.wants[msg.room]) if msg.room in self.parked else []
+
+    def _serve(self, room: str, want: _Want) -> list[Ended]:
+        """Send the KV the want asks for (the request is prefilled)."""
+        req = self.live[room]
+        msg = want.msg
+        if msg.length != req.prompt_len or msg.digest != prompt_digest(req.prompt_ids):
+            reason = (f"the decode worker's prompt ({msg.length} tokens) differs from the prefill worker's "
+                      f"({req.prompt_len}): both must serve the same model and chat template")
+            self._send(want.peer, KVFail(room=room, reason=reason, status=400))
+            return [self._end(room, reason, 400)]
+        t0 = time.perf_counter()
+        kv = self.pool.gather(self.req_pool.read(req.kv.row, msg.have, msg.length))
+        lp = req.return_logprob and bool(req.out.logprobs)
+        top = req.out.top_logprobs[0] if lp and req.out.top_logprobs else []
+        header = KVData(room=room, have=msg.have, length=msg.length, token=int(req.output_ids[0]),
+                        logprob=float(req.out.logprobs[0]) if lp else None,
+                        top_ids=[int(t) for t, _ in top] if lp else None,
+                        top_logprobs=[float(x) for _, x in top] if lp else None,
+                        prefill_s=time.monotonic() - self.arrival[room])
+        payload = kv.cpu().numpy()
+        if not self._send(want.peer, header, payload):
+            return [self._end(room, "the decode worker went away before the KV was sent", 502)]
+        self.stats["send_s"] += time.perf_counter() - t0
+        self.stats["bytes"] += payload.nbytes
+        del self.parked[room]
+        self.sent[room] = time.monotonic()
+        return []
+
+    def _send(self, peer: bytes, msg: Any, payload: Any = None) -> bool:
+        frames = [peer, b"", m.encode(msg)] + ([memoryview(payload).cast("B")] if payload is not None else [])
+        try:
+            self.sock.send_multipart(frames, copy=payload is None)
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
+            return False
+        return True
+
+    def _end(self, room: str, error: str | None, status: int = 504) -> Ended:
+        req = self.live.pop(room)
+        self.arrival.pop(room, None)
+        self.parked.pop(room, None)
+        self.sent.pop(room, None)
+        self.wants.pop(room, None)
+        self.doomed.pop(room, None)
+        self.stats["transfers" if error is None else "failed"] += 1
+        if error is not None:
+            logger.warning("request %s (bootstrap_room %s) failed: %s", req.rid, room, error)
+        return Ended(req, error, status)
+
+    def close(self) -> None:
+        self.sock.close(0)
