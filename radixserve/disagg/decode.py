@@ -58,7 +58,7 @@ class DecodeSide:
         self.queue: deque[Any] = deque()  # waiting for KV slots
         self.queued_at: dict[str, float] = {}
         self.inflight: dict[tuple[str, str], Transfer] = {}  # (endpoint, room)
-        self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "wait_s": 0.0, "write_s": 0.0}
+        self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "wait_s": 0.0, "wire_s": 0.0, "write_s": 0.0}
 
     @property
     def busy(self) -> bool:
@@ -146,6 +146,7 @@ class DecodeSide:
             warnings.simplefilter("ignore")
             kv = torch.frombuffer(frames[2].buffer, dtype=torch.uint8) if len(frames) > 2 else torch.empty(0)
         self.stats["wait_s"] += time.monotonic() - t.since
+        self.stats["wire_s"] += max(0.0, time.time() - msg.sent_at)
         self.stats["bytes"] += kv.numel()
         arrivals.append(Arrival(t, msg, kv))
 

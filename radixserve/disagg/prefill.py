@@ -174,6 +174,7 @@ class PrefillSide:
                         top_logprobs=[float(x) for _, x in top] if lp else None,
                         prefill_s=time.monotonic() - self.arrival[room])
         payload = kv.cpu().numpy()
+        header.sent_at = time.time()
         if not self._send(want.peer, header, payload):
             return [self._end(room, "the decode worker went away before the KV was sent", 502)]
         self.stats["send_s"] += time.perf_counter() - t0

@@ -46,6 +46,7 @@ class KVData:
     top_ids: list[int] | None = None  # its top logprobs
     top_logprobs: list[float] | None = None
     prefill_s: float = 0.0  # from the prefill worker's arrival of the request to this send
+    sent_at: float = 0.0  # wall clock (time.time) just before the send: the wire time, on one host
 
 
 @message("kv_fail")

@@ -43,7 +43,8 @@ class RouterProcess(LoggedProcess):
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.router = router
         self.metrics_port = free_port()
-        super().__init__([sys.executable, "-m", ROUTERS[router], "--worker-urls", *worker_urls,
+        urls = ["--worker-urls", *worker_urls] if worker_urls else []  # none: --prefill / --decode flags
+        super().__init__([sys.executable, "-m", ROUTERS[router], *urls,
                           "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port),
                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
                           "--log-level", "warn", *flags], f"{router}-")

@@ -1,0 +1,252 @@
+"""Prefill-decode disaggregation behind the real smg binary (``--pd-disaggregation``), on the
+default model: a prefill worker and a decode worker answer what one worker answers, token for
+token, on every route (chat, completions, ``/generate``, streamed, logprobs, ``cached_tokens``),
+and the decode worker's next turn hits its own tree; only the part of a prompt the decode worker
+does not hold moves.  Failures end the request on both sides with an error and leave no slot
+behind: a room used twice, a transfer that never comes, prompts that differ, a killed worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from helpers.router import ROUTER_TEST_FLAGS, RouterProcess
+from helpers.server import ServerProcess, check_memory_idle, free_port, openai_client, server_info
+
+from radixserve.config import ServerArgs
+from radixserve.runtime.jobs import bootstraps
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1"}
+TIMEOUT = "5"  # --disaggregation-timeout of the workers here
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Pair:
+    prefill: ServerProcess
+    decode: ServerProcess
+    boot: int
+    router: RouterProcess | None = None
+
+    def client(self) -> openai.OpenAI:
+        assert self.router is not None
+        return openai.OpenAI(base_url=self.router.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def start_pair(*, router: bool = True) -> Pair:
+    boot = free_port()
+    pair = Pair(ServerProcess("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
+                              "--disaggregation-timeout", TIMEOUT, env=WORKER_ENV),
+                ServerProcess("--disaggregation-mode", "decode", "--disaggregation-timeout", TIMEOUT, env=WORKER_ENV),
+                boot)
+    try:
+        pair.prefill.wait_ready()
+        pair.decode.wait_ready()
+        if router:
+            pair.router = RouterProcess([], "--pd-disaggregation", "--prefill", pair.prefill.base_url, str(boot),
+                                        "--decode", pair.decode.base_url, *ROUTER_TEST_FLAGS["smg"],
+                                        policy="round_robin").wait_ready(2)
+    except BaseException:
+        stop_pair(pair)
+        raise
+    return pair
+
+
+def stop_pair(pair: Pair) -> list[int]:
+    if pair.router is not None:
+        pair.router.stop()
+    return [pair.prefill.stop(), pair.decode.stop()]
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    p = start_pair()
+    yield p
+    codes = stop_pair(p)
+    assert codes == [0, 0], [p.prefill.log(), p.decode.log()]
+
+
+@pytest.fixture(scope="module")
+def single() -> Iterator[ServerProcess]:
+    srv = ServerProcess(env=WORKER_ENV).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(autouse=True)
+def memory_invariant(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "pair" in request.fixturenames:
+        p = request.getfixturevalue("pair")
+        check_memory_idle(p.prefill)
+        check_memory_idle(p.decode)
+
+
+def transfers(srv: ServerProcess) -> dict:
+    return server_info(srv)["stats"]["disaggregation"]
+
+
+# ---- a pair answers what one worker answers ---------------------------------------------------
+def test_chat_turns_equal_one_workers_and_the_next_turn_hits_the_decode_workers_tree(pair, single) -> None:
+    bytes_per_token = server_info(pair.decode)["model_info"]["kv_cache_bytes_per_token"]
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers briefly."},
+                {"role": "user", "content": "Name three rivers in Europe."}]
+    for turn in range(2):
+        before = transfers(pair.decode)
+        got = pair.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        want = openai_client(single).chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                                             temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.choices[0].finish_reason == want.choices[0].finish_reason
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        cached = got.usage.prompt_tokens_details.cached_tokens
+        assert cached == want.usage.prompt_tokens_details.cached_tokens
+        assert (cached > 0) == (turn == 1)  # the second turn's history is in the decode worker's tree
+        after = transfers(pair.decode)
+        assert after["transfers"] == before["transfers"] + 1
+        # only what the decode worker's tree did not hold moved
+        assert after["bytes"] - before["bytes"] == (got.usage.prompt_tokens - cached) * bytes_per_token
+        messages += [{"role": "assistant", "content": got.choices[0].message.content},
+                     {"role": "user", "content": "And three mountains?"}]
+
+
+def test_streamed_chat_and_completions_with_two_choices_equal_one_workers(pair, single) -> None:
+    def stream_text(client: openai.OpenAI) -> str:
+        chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
+                                                max_tokens=20, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    assert stream_text(pair.client()) == stream_text(openai_client(single))
+    got = pair.client().completions.create(model=MODEL, prompt="The tallest mountain in the world", max_tokens=16,
+                                           temperature=0, n=2)
+    want = openai_client(single).completions.create(model=MODEL, prompt="The tallest mountain in the world",
+                                                    max_tokens=16, temperature=0, n=2)
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    assert got.choices[0].text == got.choices[1].text  # each choice had its own room
+
+
+def test_generate_with_logprobs_and_a_batch_equal_one_workers(pair, single) -> None:
+    body = {"text": "Water boils at", "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 2}
+    got = httpx.post(pair.router.base_url + "/generate", json=body, timeout=60).json()
+    want = httpx.post(single.base_url + "/generate", json=body, timeout=60).json()
+    assert got["text"] == want["text"]
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        assert [t[1] for t in got["meta_info"][key]] == [t[1] for t in want["meta_info"][key]]
+        assert [t[0] for t in got["meta_info"][key]] == pytest.approx([t[0] for t in want["meta_info"][key]], abs=1e-4)
+    assert [[t[1] for t in row] for row in got["meta_info"]["output_top_logprobs"]] == \
+        [[t[1] for t in row] for row in want["meta_info"]["output_top_logprobs"]]
+    # a batch (smg's schema takes one prompt per /generate; SGLang's clients send batches with a
+    # room per prompt): sent to both workers as smg would
+    batch = {"text": ["One plus one is", "The color of the sky is"],
+             "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    _, got = post_both(pair, *[{**batch, "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.boot,
+                                "bootstrap_room": [11, 12]}] * 2)
+    want = httpx.post(single.base_url + "/generate", json=batch, timeout=60).json()
+    assert [r["text"] for r in got.json()] == [r["text"] for r in want]
+
+
+# ---- failures: an error for the client, nothing left behind ----------------------------------
+def post_both(pair: Pair, prefill_body: dict, decode_body: dict) -> tuple[httpx.Response, httpx.Response]:
+    """What smg does: the same room to both workers at once."""
+    with cf.ThreadPoolExecutor(2) as ex:
+        p = ex.submit(httpx.post, pair.prefill.base_url + "/generate", json=prefill_body, timeout=60)
+        d = ex.submit(httpx.post, pair.decode.base_url + "/generate", json=decode_body, timeout=60)
+        return p.result(), d.result()
+
+
+def room(pair: Pair, text: str, number: int, port: int | None = None) -> dict:
+    return {"text": text, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": port or pair.boot, "bootstrap_room": number}
+
+
+def test_a_room_used_twice_is_refused_and_a_prefill_nobody_asks_for_times_out(pair) -> None:
+    body = room(pair, "A room for one request", 77)
+    with cf.ThreadPoolExecutor(2) as ex:
+        first = ex.submit(httpx.post, pair.prefill.base_url + "/generate", json=body, timeout=60)
+        time.sleep(1.0)
+        second = httpx.post(pair.prefill.base_url + "/generate", json=body, timeout=60)
+        assert second.status_code == 400 and "bootstrap_room 77 is already in use" in second.text
+        t0 = time.monotonic()
+        first = first.result()
+    assert first.status_code == 504 and "no decode worker asked for the KV of bootstrap_room 77" in first.text
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_transfer_that_never_comes_fails_the_decode_request(pair) -> None:
+    r = httpx.post(pair.decode.base_url + "/generate", json=room(pair, "Nobody prefills this", 78, free_port()),
+                   timeout=60)
+    assert r.status_code == 504 and "no KV arrived from the prefill worker" in r.text
+    assert transfers(pair.decode)["in_flight"] == 0
+
+
+def test_prompts_that_differ_fail_both_sides(pair) -> None:
+    p, d = post_both(pair, room(pair, "The first prompt", 79), room(pair, "A different second prompt", 79))
+    assert p.status_code == 400 and "differs from the prefill worker's" in p.text
+    assert d.status_code == 400 and "differs from the prefill worker's" in d.text
+
+
+def test_a_colocated_worker_refuses_bootstrap_fields(single) -> None:
+    r = httpx.post(single.base_url + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "bootstrap_host": "127.0.0.1",
+                         "bootstrap_port": 8998, "bootstrap_room": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_room"
+
+
+LONG = "The history of every river, mountain and city in Europe, told slowly. " * 400  # ~6k tokens
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_a_killed_worker_fails_its_in_flight_request_and_the_survivor_frees_its_slots(victim: str) -> None:
+    pair = start_pair()
+    try:
+        with cf.ThreadPoolExecutor(1) as ex:
+            call = ex.submit(pair.client().completions.create, model=MODEL, prompt=LONG, max_tokens=32, temperature=0)
+            deadline = time.monotonic() + 30
+            while transfers(pair.decode)["in_flight"] == 0:  # the decode worker has asked for the KV
+                assert time.monotonic() < deadline and not call.done(), "the transfer never started"
+                time.sleep(0.02)
+            killed = getattr(pair, victim)
+            os.kill(killed.proc.pid, signal.SIGKILL)  # the launcher: its scheduler follows it
+            with pytest.raises(openai.APIStatusError) as e:
+                call.result(timeout=60)
+        assert e.value.status_code >= 500
+        survivor = pair.prefill if victim == "decode" else pair.decode
+        check_memory_idle(survivor)
+        info = server_info(survivor)  # its request failed, or was aborted when smg gave up on the pair
+        assert info["stats"]["disaggregation"]["failed"] + info["stats"]["requests_aborted"] >= 1  # smg retries
+        assert info["stats"]["disaggregation"]["transfers"] == 0
+    finally:
+        stop_pair(pair)
+
+
+# ---- settings --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, message", [
+    ({"disaggregation_mode": "both"}, "disaggregation_mode must be one of null, prefill, decode"),
+    ({"disaggregation_mode": "prefill", "disaggregation_transfer_backend": "nixl"}, "use zmq"),
+    ({"disaggregation_transfer_backend": "mooncake"}, "must be one of zmq, nixl"),
+    ({"disaggregation_mode": "decode", "tp_size": 2}, "needs tp_size 1"),
+    ({"disaggregation_bootstrap_port": 0}, "must be a TCP port"),
+    ({"disaggregation_timeout": 0}, "positive number of seconds"),
+])
+def test_bad_settings_are_refused_before_the_model_loads(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kw)
+
+
+def test_the_rooms_of_a_batch() -> None:
+    one, two = bootstraps("h", None, 9, 2)
+    assert (one.room, two.room, one.port, one.host) == ("9.0", "9.1", 8998, "h")
+    assert [b.room for b in bootstraps(["a", "b"], [1, 2], [5, 6], 2)] == ["5", "6"]
+    assert bootstraps(None, None, None, 3) == [None, None, None]
+    with pytest.raises(ValueError, match="3 bootstrap_room values for 2 prompts"):
+        bootstraps("h", 1, [1, 2, 3], 2)
