@@ -22,7 +22,8 @@ RECIPE = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 
 def free_base_port() -> int:
     """A port P with P, P+1, P+2, P+1000 (the router's metrics) and the EVENTS=1 ports (gRPC
-    P+101, P+102; KV events P+201, P+202; their replay P+301, P+302) free on loopback."""
+    P+101, P+102; KV events P+201, P+202; their replay P+301, P+302; PD=1's bootstrap P+401) free on
+    loopback."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -31,7 +32,7 @@ def free_base_port() -> int:
             continue
         try:
             socks = []
-            for p in (base, base + 1, base + 2, base + 1000, *(base + k + i for k in (100, 200, 300) for i in (1, 2))):
+            for p in (base, base + 1, base + 2, base + 1000, *(base + k + i for k in (100, 200, 300, 400) for i in (1, 2))):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", p))
@@ -70,15 +71,15 @@ def stop(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
-@pytest.mark.parametrize("events", [False, True], ids=["http", "grpc-kv-events"])
-def test_workers_and_router_scripts_serve_a_chat_and_stop_together(tiny_chat_model: str, tmp_path,
-                                                                   events: bool) -> None:
+@pytest.mark.parametrize("mode", ["http", "grpc-kv-events", "pd"])
+def test_workers_and_router_scripts_serve_a_chat_and_stop_together(tiny_chat_model: str, tmp_path, mode: str) -> None:
     """EVENTS=1: the same recipe with smg talking to the workers over gRPC and routing on their
-    KV events."""
+    KV events.  PD=1: worker 1 prefills, worker 2 decodes, smg pairs them."""
     base = free_base_port()
+    events = mode == "grpc-kv-events"
     env = {**os.environ, "PORT": str(base),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-           **({"EVENTS": "1"} if events else {})}
+           **({"EVENTS": "1"} if events else {}), **({"PD": "1"} if mode == "pd" else {})}
     log = open(tmp_path / "workers.log", "w")  # noqa: SIM115 - closed below
     workers = subprocess.Popen([str(RECIPE / "workers.sh"), "2", "--model", tiny_chat_model, "--dtype", "float32",
                                 "--served-model-name", "tiny"], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -104,6 +105,9 @@ def test_workers_and_router_scripts_serve_a_chat_and_stop_together(tiny_chat_mod
         got, want = through.choices[0].message.content, direct.choices[0].message.content  # same weights, greedy
         assert got == want if not events else (got or "").strip() == want.strip()  # smg trims whitespace
         assert through.usage.completion_tokens == 8
+        if mode == "pd":  # the decode worker took the prompt's KV from the prefill worker
+            stats = httpx.get(f"http://127.0.0.1:{base + 2}/server_info", timeout=10).json()["stats"]
+            assert stats["disaggregation"]["transfers"] == 1
         if events:  # smg subscribed to both workers' KV events
             metrics = httpx.get(f"http://127.0.0.1:{base + 1000}/metrics", timeout=10).text
             for i in (1, 2):

@@ -41,19 +41,23 @@ class Pair:
         return openai.OpenAI(base_url=self.router.base_url + "/v1", api_key="none", max_retries=0)
 
 
-def start_pair(*, router: bool = True) -> Pair:
-    boot = free_port()
+def start_pair(*, grpc: bool = False) -> Pair:
+    """A prefill and a decode worker behind smg, as HTTP workers or (``grpc``) as smg's
+    ``grpc://`` workers (smg then tokenizes and detokenizes)."""
+    boot, ports = free_port(), [free_port(), free_port()]
+    extra = [["--grpc-port", str(port)] if grpc else [] for port in ports]
     pair = Pair(ServerProcess("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
-                              "--disaggregation-timeout", TIMEOUT, env=WORKER_ENV),
-                ServerProcess("--disaggregation-mode", "decode", "--disaggregation-timeout", TIMEOUT, env=WORKER_ENV),
+                              "--disaggregation-timeout", TIMEOUT, *extra[0], env=WORKER_ENV),
+                ServerProcess("--disaggregation-mode", "decode", "--disaggregation-timeout", TIMEOUT, *extra[1],
+                              env=WORKER_ENV),
                 boot)
     try:
         pair.prefill.wait_ready()
         pair.decode.wait_ready()
-        if router:
-            pair.router = RouterProcess([], "--pd-disaggregation", "--prefill", pair.prefill.base_url, str(boot),
-                                        "--decode", pair.decode.base_url, *ROUTER_TEST_FLAGS["smg"],
-                                        policy="round_robin").wait_ready(2)
+        urls = [f"grpc://127.0.0.1:{port}" for port in ports] if grpc else [pair.prefill.base_url, pair.decode.base_url]
+        tokenizer = ["--model-path", server_info(pair.decode)["model_path"]] if grpc else []
+        pair.router = RouterProcess([], "--pd-disaggregation", "--prefill", urls[0], str(boot), "--decode", urls[1],
+                                    *tokenizer, *ROUTER_TEST_FLAGS["smg"], policy="round_robin").wait_ready(2)
     except BaseException:
         stop_pair(pair)
         raise
@@ -153,6 +157,40 @@ def test_generate_with_logprobs_and_a_batch_equal_one_workers(pair, single) -> N
                                 "bootstrap_room": [11, 12]}] * 2)
     want = httpx.post(single.base_url + "/generate", json=batch, timeout=60).json()
     assert [r["text"] for r in got.json()] == [r["text"] for r in want]
+
+
+def test_json_schema_output_and_seeded_sampling_equal_one_workers(pair, single) -> None:
+    """The prefill worker's grammar picks the first token, the decode worker's takes it and
+    goes on; a seeded draw depends only on the seed and the token's position."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "people": {"type": "integer"}},
+              "required": ["city", "people"]}
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Describe Paris as JSON."}], "max_tokens": 40,
+          "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    got = pair.client().chat.completions.create(**kw).choices[0].message.content
+    assert got == openai_client(single).chat.completions.create(**kw).choices[0].message.content
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 7}
+    got = pair.client().completions.create(**kw).choices[0].text
+    assert got == openai_client(single).completions.create(**kw).choices[0].text
+
+
+def test_a_pair_of_grpc_workers_behind_smg_equals_one_worker(single) -> None:
+    """smg's gRPC PD path: it sends the bootstrap fields as ``disaggregated_params``."""
+    pair = start_pair(grpc=True)
+    try:
+        assert httpx.post(single.base_url + "/flush_cache", timeout=30).status_code == 200  # both start empty
+        messages = [{"role": "user", "content": "Name three colors."}]
+        for turn in range(2):  # the second hits the decode worker's tree
+            got = pair.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+            want = openai_client(single).chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                                                 temperature=0)
+            assert got.choices[0].message.content == want.choices[0].message.content
+            cached = got.usage.prompt_tokens_details.cached_tokens
+            assert cached == want.usage.prompt_tokens_details.cached_tokens and (cached > 0) == (turn == 1)
+        assert transfers(pair.decode)["transfers"] == 2
+        check_memory_idle(pair.prefill)
+        check_memory_idle(pair.decode)
+    finally:
+        stop_pair(pair)
 
 
 # ---- failures: an error for the client, nothing left behind ----------------------------------

@@ -5,6 +5,9 @@
 # EVENTS=1 (with EVENTS=1 workers.sh) routes on the workers' KV events: smg talks to them over
 # gRPC and tokenizes with the model's tokenizer, found through worker 1's /model_info:
 #
+# PD=1 (with PD=1 workers.sh) pairs the prefill workers (the first half) with the decode workers:
+# smg sends each request to one of each, with the prefill worker's bootstrap port.
+#
 #   examples/cluster/router.sh 2                         # http://127.0.0.1:30000 -> 30001, 30002
 #   PORT=40000 examples/cluster/router.sh 4 --balance-abs-threshold 32
 #
@@ -25,12 +28,23 @@ if [ -n "${EVENTS:-}" ]; then
   # A request is booked on the worker chosen for it until that worker's events report it.
   extra=(--model-path "$tokenizer" --selection-accounting-ttl-ms 3000)
 fi
+workers=(--worker-urls "${urls[@]}")
+if [ -n "${PD:-}" ]; then
+  workers=(--pd-disaggregation)
+  for i in $(seq 1 "$n"); do
+    if [ "$i" -le $(( n / 2 )) ]; then
+      workers+=(--prefill "${urls[$(( i - 1 ))]}" $(( port + 400 + i )))
+    else
+      workers+=(--decode "${urls[$(( i - 1 ))]}")
+    fi
+  done
+fi
 # --disable-circuit-breaker: a worker's 4xx answers to bad requests must not take it out of
 # rotation; health checks every 5 s take out a dead worker after two misses, and a request
 # sent to it is retried (backing off from 200 ms) long enough to land on a live one.
 # The router's metrics listen on loopback, beside its own port.
 exec python -m "${ROUTER:-smg}.launch_router" \
-  --host 127.0.0.1 --port "$port" --worker-urls "${urls[@]}" \
+  --host 127.0.0.1 --port "$port" "${workers[@]}" \
   --policy cache_aware --cache-threshold 0.3 \
   --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
   --disable-circuit-breaker \

@@ -38,6 +38,7 @@ from radixserve.frontend.errors import APIError
 from radixserve.frontend.loads import load_snapshot, parse_include
 from radixserve.frontend.native_api import hf_config
 from radixserve.ipc.kv_events import KVEventsConfig, local_endpoint
+from radixserve.runtime.jobs import bootstraps
 from radixserve.runtime.tokenizer_manager import RequestError, SchedulingHints
 
 if TYPE_CHECKING:
@@ -113,8 +114,11 @@ class SchedulerService:
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         rid = request.request_id or uuid.uuid4().hex
+        hints = SchedulingHints()
         if request.HasField("disaggregated_params") and request.disaggregated_params.bootstrap_host:
-            await context.abort(self.grpc.StatusCode.INVALID_ARGUMENT, "disaggregated requests are not served yet")
+            d = request.disaggregated_params  # smg's PD mode (radixserve/disagg)
+            hints = SchedulingHints(bootstrap=bootstraps(d.bootstrap_host, d.bootstrap_port or None,
+                                                         d.bootstrap_room, 1)[0])
         if request.sampling_params.n > 1:
             await context.abort(self.grpc.StatusCode.INVALID_ARGUMENT, "n > 1 is not served over gRPC; send n requests")
         logprob = request.return_logprob
@@ -130,7 +134,7 @@ class SchedulerService:
         try:
             async for piece in self.st.stream(ids, params, stream=request.stream, logprob=logprob,
                                               top_n=request.top_logprobs_num, rid=rid, logprob_start_len=start,
-                                              hints=SchedulingHints()):
+                                              hints=hints):
                 out_ids += piece.output_ids
                 delta = _logprobs(self.pb, piece) if logprob else None
                 if delta is not None and not request.stream:  # the complete carries them whole
@@ -170,6 +174,7 @@ class SchedulerService:
 
         args = self.st.args.to_dict()
         args.pop("api_key", None)
+        args["max_running_requests"] = self.st.info.max_running_requests  # as resolved (smg's PD admission)
         server_args, sched = struct_pb2.Struct(), struct_pb2.Struct()
         server_args.update(json.loads(json.dumps(args, default=str)))
         sched.update({"max_total_num_tokens": self.st.info.max_total_tokens,
