@@ -69,8 +69,12 @@ ROUTER_FLAGS = ["--disable-circuit-breaker", "--log-level", "warn"]
 # the load evenly by construction, and a spill copies a group's prefix onto the other worker,
 # whose pool holds only half of the groups.  Measured with the spill at smg's default: the
 # event-driven run at 88.0% and 54.8% hit rate in two runs, the approximate one 23.7%, 18.9%.
+# Nor is a worker left out of routing as "overloaded" (smg's defaults: 80% KV token usage, 8
+# queued requests): these pools are small on purpose (half of the groups), so 8 requests in
+# flight on one worker fill 80% of it without any overload, and each such veto copies a group.
 SMG_FLAGS = ("--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0", "--worker-warmup-thin-ratio", "0",
-             "--balance-rel-threshold", "100")
+             "--balance-rel-threshold", "100", "--worker-overload-token-usage", "1.0",
+             "--worker-overload-waiting-requests", "1000")
 # And for its event-driven run: a request is booked on the worker chosen for it until that
 # worker's KV events report it (they follow a prefill by a step), so that the next request of
 # its group goes there too (smg's advice: a little above the events' lag).

@@ -84,8 +84,11 @@ def test_cpu_decode_sweep_covers_both_models_and_settings(cpu_run: tuple[dict, s
         assert sorted((r["batch"], r["cuda_graphs"]) for r in rows) == [(1, False), (1, True), (4, False), (4, True)]
         for r in rows:
             assert r["decode_tokens_per_s"] > 0 and r["ms_per_decode_step"] > 0
-            # The first of the decode_len tokens comes from the (cached) prefill step.
-            assert r["decode_only_steps"] == parts[name]["decode_len"] - 1, r
+            # The first of the decode_len tokens comes from the (cached) prefill step.  The batch's
+            # requests may reach the scheduler over two of its loop turns (they are sent one by
+            # one): one admitted a step after the others adds a decode-only step of its own.
+            n = parts[name]["decode_len"] - 1
+            assert n <= r["decode_only_steps"] < n + r["batch"], r
 
 
 def test_summary_table_over_a_runs_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -136,6 +136,13 @@ def test_streamed_chat_and_completions_with_two_choices_equal_one_workers(pair, 
                                                     max_tokens=16, temperature=0, n=2)
     assert [c.text for c in got.choices] == [c.text for c in want.choices]
     assert got.choices[0].text == got.choices[1].text  # each choice had its own room
+    # smg sends a chat with n > 1 one room per choice (lists of bootstrap fields), and min_tokens
+    # > 1 reaches the prefill worker, which samples one token
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 12,
+          "temperature": 0, "n": 2, "extra_body": {"min_tokens": 6}}
+    got, want = pair.client().chat.completions.create(**kw), openai_client(single).chat.completions.create(**kw)
+    assert [c.message.content for c in got.choices] == [c.message.content for c in want.choices]
+    assert got.usage.completion_tokens == want.usage.completion_tokens >= 12
 
 
 def test_generate_with_logprobs_and_a_batch_equal_one_workers(pair, single) -> None:
@@ -220,6 +227,41 @@ def test_a_room_used_twice_is_refused_and_a_prefill_nobody_asks_for_times_out(pa
     assert time.monotonic() - t0 < 10
 
 
+def test_a_client_gone_from_a_prefilled_request_frees_it_at_once(pair) -> None:
+    """Prefilled and waiting for a decode worker that never asks: the client leaving aborts
+    it then, not at the timeout; its room is not taken again."""
+    before = transfers(pair.prefill)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(pair.prefill.base_url + "/generate", json=room(pair, "Nobody decodes this", 81), timeout=1.5)
+    deadline = time.monotonic() + 3  # under the 5 s timeout
+    while server_info(pair.prefill)["stats"]["running"]:
+        assert time.monotonic() < deadline, "the prefilled request was not freed when its client left"
+        time.sleep(0.1)
+    assert transfers(pair.prefill)["failed"] == before["failed"]  # aborted, not timed out
+    again = httpx.post(pair.prefill.base_url + "/generate", json=room(pair, "Nobody decodes this", 81), timeout=30)
+    assert again.status_code == 400 and "was used by an earlier request" in again.text
+
+
+def test_a_room_dropped_by_the_decode_worker_and_a_room_used_again_are_refused_at_once(pair) -> None:
+    with pytest.raises(httpx.TimeoutException):  # the decode worker's client leaves before the prefill comes
+        httpx.post(pair.decode.base_url + "/generate", json=room(pair, "Late prefill", 82), timeout=1.0)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    late = httpx.post(pair.prefill.base_url + "/generate", json=room(pair, "Late prefill", 82), timeout=30)
+    assert late.status_code == 502 and "the decode worker dropped the request" in late.text
+    assert time.monotonic() - t0 < 2  # not computed, not waited for
+    p, d = post_both(pair, room(pair, "Used once", 83), room(pair, "Used once", 83))
+    assert p.status_code == d.status_code == 200
+    again = httpx.post(pair.prefill.base_url + "/generate", json=room(pair, "Used once", 83), timeout=30)
+    assert again.status_code == 400 and "was used by an earlier request" in again.text
+
+
+def test_a_bootstrap_host_that_is_no_address_is_refused(pair) -> None:
+    r = httpx.post(pair.decode.base_url + "/generate", timeout=30,
+                   json={**room(pair, "x", 84), "bootstrap_host": "http://not a host"})
+    assert r.status_code == 400 and "are no address" in r.text
+
+
 def test_a_transfer_that_never_comes_fails_the_decode_request(pair) -> None:
     r = httpx.post(pair.decode.base_url + "/generate", json=room(pair, "Nobody prefills this", 78, free_port()),
                    timeout=60)
@@ -286,5 +328,9 @@ def test_the_rooms_of_a_batch() -> None:
     assert (one.room, two.room, one.port, one.host) == ("9.0", "9.1", 8998, "h")
     assert [b.room for b in bootstraps(["a", "b"], [1, 2], [5, 6], 2)] == ["5", "6"]
     assert bootstraps(None, None, None, 3) == [None, None, None]
-    with pytest.raises(ValueError, match="3 bootstrap_room values for 2 prompts"):
+    with pytest.raises(ValueError, match="3 bootstrap_room values for 2 requests"):
         bootstraps("h", 1, [1, 2, 3], 2)
+    # two completion prompts with two choices each: smg sends one room per prompt
+    assert [b.room for b in bootstraps("h", 1, [5, 6], 4, prompts=2)] == ["5.0", "5.1", "6.0", "6.1"]
+    assert [b.room for b in bootstraps("h", 1, [5, 6, 7, 8], 4, prompts=2)] == ["5", "6", "7", "8"]
+    assert [b.room for b in bootstraps("h", 1, 9, 4, prompts=2)] == ["9.0", "9.1", "9.2", "9.3"]

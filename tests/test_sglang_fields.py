@@ -126,7 +126,7 @@ def test_router_bodies_mean_what_the_client_asked() -> None:
     assert chat.messages[3].tool_calls[0].function.arguments == "{}"  # null: a call without arguments
     assert chat.messages[5].reasoning_content == "think"
     comp = CompletionRequest.model_validate(ROUTER_COMPLETIONS)
-    assert comp.seed == 4 and comp.hints().extra_key == "tenant-a"
+    assert comp.seed == 4 and comp.hints()[0].extra_key == "tenant-a"
 
 
 # ---------------------------------------------------------------- the table, field by field
@@ -262,8 +262,8 @@ def test_rid_names_each_choice() -> None:
 
 
 def test_extra_key_is_the_cache_namespace() -> None:
-    assert CompletionRequest.model_validate({"prompt": "x", "extra_key": "t"}).hints().extra_key == "t"
+    assert CompletionRequest.model_validate({"prompt": "x", "extra_key": "t"}).hints()[0].extra_key == "t"
     assert ChatCompletionRequest.model_validate(
-        {"messages": MSG, "extra_key": "t", "cache_salt": "t"}).hints().extra_key == "t"
+        {"messages": MSG, "extra_key": "t", "cache_salt": "t"}).hints()[0].extra_key == "t"
     message, param = rejection(CompletionRequest, {"prompt": "x", "extra_key": "t", "cache_salt": "u"})
     assert param == "extra_key" and "same cache namespace" in message

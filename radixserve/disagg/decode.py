@@ -20,8 +20,16 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from radixserve.disagg.prefill import HEARTBEAT_MS
-from radixserve.disagg.wire import KVAck, KVData, KVDrop, KVFail, KVWant, endpoint, prompt_digest
+from radixserve.disagg.wire import (
+    KVAck,
+    KVData,
+    KVDrop,
+    KVFail,
+    KVWant,
+    endpoint,
+    keepalive,
+    prompt_digest,
+)
 from radixserve.ipc import messages as m
 
 logger = logging.getLogger(__name__)
@@ -64,43 +72,53 @@ class DecodeSide:
     def busy(self) -> bool:
         return bool(self.queue or self.inflight)
 
-    def sockets(self) -> list[zmq.Socket]:
-        return [*self.socks.values(), *self.monitors.values()]
-
     @staticmethod
     def key(req: Any) -> tuple[str, str]:
         b = req.bootstrap
         return endpoint(b.host, b.port), b.room
 
     def claim(self, req: Any) -> str | None:
+        """Queue the request; the error when its room is taken or its prefill worker's address
+        is not one ZeroMQ can connect to."""
         key = self.key(req)
         if key in self.inflight or any(self.key(r) == key for r in self.queue):
             return f"bootstrap_room {req.bootstrap.room} is already in use on this decode worker"
+        try:
+            self._socket(key[0])
+        except zmq.ZMQError as e:
+            return f"bootstrap_host {req.bootstrap.host!r} and bootstrap_port {req.bootstrap.port} are no address: {e}"
         self.queue.append(req)
         self.queued_at[req.rid] = time.monotonic()
         return None
 
-    def want(self, req: Any) -> None:
-        """The request holds its slots: ask its prefill worker for the KV past its cached prefix."""
+    def want(self, req: Any) -> bool:
+        """The request holds its slots: ask its prefill worker for the KV past its cached prefix.
+        False when the ask cannot be queued (the prefill worker reads nothing)."""
         self.queue.remove(req)
         self.queued_at.pop(req.rid, None)
         ep, room = self.key(req)
+        if not self._send(ep, KVWant(room=room, have=req.kv.cached_len, length=req.prompt_len,
+                                     digest=prompt_digest(req.prompt_ids), layout=self.layout)):
+            return False
         self.inflight[(ep, room)] = Transfer(req, ep, time.monotonic())
-        self._send(ep, KVWant(room=room, have=req.kv.cached_len, length=req.prompt_len,
-                              digest=prompt_digest(req.prompt_ids), layout=self.layout))
+        return True
 
     def forget(self, req: Any, reason: str = "aborted") -> bool:
         """The request ended here: True when it was waiting here (its prefill worker is told)."""
+        key = self.key(req)
         if req in self.queue:
             self.queue.remove(req)
             self.queued_at.pop(req.rid, None)
-            return True
-        key = self.key(req)
-        if self.inflight.get(key, Transfer(None, "", 0)).req is not req:
+        elif self.inflight.get(key, Transfer(None, "", 0)).req is req:
+            del self.inflight[key]
+        else:
             return False
-        del self.inflight[key]
-        self._send(key[0], KVDrop(room=key[1], reason=reason))
+        self.drop(*key, reason)
         return True
+
+    def drop(self, ep: str, room: str, reason: str) -> None:
+        """Tell the prefill worker that the room ended here (its KV, sent or not, is not wanted)."""
+        self._send(ep, KVDrop(room=room, reason=reason))
 
     def poll(self, now: float) -> tuple[list[Arrival], list[Failed]]:
         arrivals: list[Arrival] = []
@@ -153,8 +171,12 @@ class DecodeSide:
     def ack(self, ep: str, room: str) -> None:
         self._send(ep, KVAck(room=room))
 
-    def _send(self, ep: str, msg: Any) -> None:
-        self._socket(ep).send_multipart([b"", m.encode(msg)])
+    def _send(self, ep: str, msg: Any) -> bool:
+        try:
+            self._socket(ep).send_multipart([b"", m.encode(msg)], zmq.DONTWAIT)
+        except zmq.ZMQError:  # EAGAIN: a thousand messages wait for a prefill worker that reads none
+            return False
+        return True
 
     def _watch(self, ep: str, failed: list[Failed]) -> None:
         """A closed connection to a prefill worker fails what it still owed."""
@@ -169,19 +191,24 @@ class DecodeSide:
             for key, t in list(self.inflight.items()):
                 if key[0] == ep:
                     del self.inflight[key]
+                    self.drop(*key, "the connection closed")  # read if the prefill worker comes back
                     failed.append(Failed(t.req, f"the connection to the prefill worker at {ep} closed "
                                                 "before its KV arrived", 502))
 
     def _socket(self, ep: str) -> zmq.Socket:
         sock = self.socks.get(ep)
         if sock is None:
-            sock = self.socks[ep] = self.ctx.socket(zmq.DEALER)
+            sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IPV6, 1)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+            keepalive(sock)
+            try:
+                sock.connect(ep)  # the address is checked here; the connection is made later
+            except zmq.ZMQError:
+                sock.close(0)
+                raise
             self.monitors[ep] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(ep)
+            self.socks[ep] = sock
         return sock
 
     def close(self) -> None:

@@ -4,8 +4,12 @@ A request that carries a bootstrap room is computed as any other; when its first
 sampled the scheduler hands it here (:meth:`PrefillSide.prefilled`) instead of finishing it.
 It is sent once its decode worker has asked (``KVWant``, which may come before or after the
 prefill), and finished once the decode worker acknowledges: until then its KV stays locked.
-:meth:`PrefillSide.poll` returns what ended: ``(request, None)`` acknowledged, or
-``(request, ErrorOut fields)`` failed.
+:meth:`PrefillSide.poll` returns what ended: ``Ended(request)`` acknowledged, or with an error:
+failed, whether parked here or still in the scheduler's lists (a decode worker that dropped the
+request while it waited: it is not computed for nobody).
+
+A room that ended is remembered for the timeout: a want for it is answered with the reason at
+once, and a request that comes with it again is refused (a room is used once).
 """
 
 from __future__ import annotations
@@ -17,11 +21,10 @@ from typing import Any
 
 import zmq
 
-from radixserve.disagg.wire import KVAck, KVData, KVDrop, KVFail, KVWant, prompt_digest
+from radixserve.disagg.wire import KVAck, KVData, KVDrop, KVFail, KVWant, keepalive, prompt_digest
 from radixserve.ipc import messages as m
 
 logger = logging.getLogger(__name__)
-HEARTBEAT_MS = 1000
 
 
 @dataclass
@@ -29,6 +32,14 @@ class _Want:
     peer: bytes
     msg: KVWant
     since: float
+
+
+@dataclass
+class _Closed:
+    since: float
+    reason: str  # what a decode worker asking for the room is told
+    status: int
+    before_arrival: bool = False  # the decode worker dropped it before its request came here
 
 
 @dataclass
@@ -44,54 +55,62 @@ class PrefillSide:
         self.pool, self.req_pool, self.layout = pool, req_pool, layout
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises on send
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+        self.sock.setsockopt(zmq.IPV6, 1)
+        keepalive(self.sock)
         try:
             self.sock.bind(f"tcp://*:{port}")
         except zmq.ZMQError as e:
-            self.sock.close()
+            self.sock.close(0)
             raise ValueError(f"cannot listen on the disaggregation bootstrap port {port}: {e}") from None
         self.live: dict[str, Any] = {}  # room -> its request, from arrival until it ends
         self.wants: dict[str, _Want] = {}
         self.parked: dict[str, float] = {}  # prefilled, waiting for its decode worker's want
         self.sent: dict[str, float] = {}  # sent, waiting for the acknowledgement
         self.arrival: dict[str, float] = {}
-        self.doomed: dict[str, tuple[str, int]] = {}  # still prefilling, already failed: why
+        self.closed: dict[str, _Closed] = {}  # rooms that ended here, kept for the timeout
         self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "send_s": 0.0}
 
     @property
     def busy(self) -> bool:
         return bool(self.parked or self.sent)
 
-    def claim(self, req: Any) -> str | None:
-        """Take the request's room; the error when another request of this worker holds it."""
+    def holds(self, req: Any) -> bool:
+        """The request is prefilled and waits here (for its want, or for the acknowledgement)."""
+        room = req.bootstrap.room
+        return self.live.get(room) is req and (room in self.parked or room in self.sent)
+
+    def claim(self, req: Any) -> tuple[str, int] | None:
+        """Take the request's room; the error and status when it cannot have it."""
         room = req.bootstrap.room
         if room in self.live:
-            return f"bootstrap_room {room} is already in use on this prefill worker"
+            return f"bootstrap_room {room} is already in use on this prefill worker", 400
+        closed = self.closed.get(room)
+        if closed is not None:
+            if closed.before_arrival:
+                return closed.reason, closed.status
+            return f"bootstrap_room {room} was used by an earlier request", 400
         self.live[room] = req
         self.arrival[room] = time.monotonic()
         return None
 
-    def forget(self, req: Any) -> None:
-        """The request ended here (aborted, failed): a decode worker still asking is told."""
+    def forget(self, req: Any, reason: str = "the prefill worker's request was aborted") -> None:
+        """The request ended here: a decode worker that asked is told why."""
         room = req.bootstrap.room
         if self.live.get(room) is not req:
             return
-        del self.live[room]
-        self.arrival.pop(room, None)
-        self.parked.pop(room, None)
-        self.sent.pop(room, None)
-        self.doomed.pop(room, None)
-        want = self.wants.pop(room, None)
+        want = self.wants.get(room)
+        self._close(room, reason, 502)
         if want is not None:
-            self._send(want.peer, KVFail(room=room, reason="the prefill worker's request was aborted"))
+            self._send(want.peer, KVFail(room=room, reason=reason))
+
+    def sweep(self, alive: Any) -> None:
+        """Forget the rooms of requests the scheduler no longer holds (``alive``: its ids)."""
+        for req in [r for r in self.live.values() if r.rid not in alive]:
+            self.forget(req, "the prefill worker's request failed")
 
     def prefilled(self, req: Any) -> list[Ended]:
         """The request's prompt is computed and its first token sampled."""
         room = req.bootstrap.room
-        if room in self.doomed:
-            return [self._end(room, *self.doomed[room])]
         self.parked[room] = time.monotonic()
         want = self.wants.get(room)
         return self._serve(room, want) if want is not None else []
@@ -100,12 +119,11 @@ class PrefillSide:
         ended: list[Ended] = []
         while True:
             try:
-                peer, _, data = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            except ValueError:
-                continue
-            ended += self._receive(peer, data)
+            if len(frames) == 3:
+                ended += self._receive(frames[0], frames[2])
         for room, since in list(self.parked.items()):
             if now - since > self.timeout_s:
                 ended.append(self._end(room, f"no decode worker asked for the KV of bootstrap_room {room} "
@@ -117,6 +135,9 @@ class PrefillSide:
         for room, want in list(self.wants.items()):
             if room not in self.live and now - want.since > self.timeout_s:
                 del self.wants[room]  # its prefill request never came; the decode side times out
+        for room, closed in list(self.closed.items()):
+            if now - closed.since > self.timeout_s:
+                del self.closed[room]
         return ended
 
     def _receive(self, peer: bytes, data: bytes) -> list[Ended]:
@@ -129,16 +150,12 @@ class PrefillSide:
             return self._want(peer, msg)
         if isinstance(msg, KVAck) and msg.room in self.sent:
             return [self._end(msg.room, None)]
-        if isinstance(msg, KVDrop) and msg.room in self.live:
-            return self._fail(msg.room, f"the decode worker dropped the request: {msg.reason}", 502)
-        return []
-
-    def _fail(self, room: str, reason: str, status: int) -> list[Ended]:
-        """End the room's request now, or when its prefill is done."""
-        if room in self.parked or room in self.sent:
-            return [self._end(room, reason, status)]
-        self.wants.pop(room, None)
-        self.doomed[room] = (reason, status)
+        if isinstance(msg, KVDrop):
+            reason = f"the decode worker dropped the request: {msg.reason}"
+            if msg.room in self.live:
+                return [self._end(msg.room, reason, 502)]
+            self.wants.pop(msg.room, None)
+            self.closed[msg.room] = _Closed(time.monotonic(), reason, 502, before_arrival=True)  # it may come
         return []
 
     def _want(self, peer: bytes, msg: KVWant) -> list[Ended]:
@@ -147,11 +164,14 @@ class PrefillSide:
             self._send(peer, KVFail(room=msg.room, reason=f"bootstrap_room {msg.room} is already claimed by "
                                                           "another decode worker", status=400))
             return []
+        closed = self.closed.get(msg.room) if msg.room not in self.live else None
+        if closed is not None:
+            self._send(peer, KVFail(room=msg.room, reason=closed.reason, status=closed.status))
+            return []
         if msg.layout != self.layout:
-            self._send(peer, KVFail(room=msg.room, reason=f"the KV layouts differ: prefill {self.layout}; "
-                                                          f"decode {msg.layout}", status=500))
-            return self._fail(msg.room, "the decode worker stores KV in another layout", 500) \
-                if msg.room in self.live else []
+            reason = f"the KV layouts differ: prefill {self.layout}; decode {msg.layout}"
+            self._send(peer, KVFail(room=msg.room, reason=reason, status=500))
+            return [self._end(msg.room, reason, 500)] if msg.room in self.live else []
         self.wants[msg.room] = _Want(peer, msg, time.monotonic())
         return self._serve(msg.room, self.wants[msg.room]) if msg.room in self.parked else []
 
@@ -186,18 +206,20 @@ class PrefillSide:
     def _send(self, peer: bytes, msg: Any, payload: Any = None) -> bool:
         frames = [peer, b"", m.encode(msg)] + ([memoryview(payload).cast("B")] if payload is not None else [])
         try:
-            self.sock.send_multipart(frames, copy=payload is None)
-        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
+            self.sock.send_multipart(frames, zmq.DONTWAIT, copy=payload is None)
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; EAGAIN: it reads nothing
             return False
         return True
 
-    def _end(self, room: str, error: str | None, status: int = 504) -> Ended:
+    def _close(self, room: str, reason: str, status: int) -> Any:
         req = self.live.pop(room)
-        self.arrival.pop(room, None)
-        self.parked.pop(room, None)
-        self.sent.pop(room, None)
-        self.wants.pop(room, None)
-        self.doomed.pop(room, None)
+        for table in (self.arrival, self.parked, self.sent, self.wants):
+            table.pop(room, None)
+        self.closed[room] = _Closed(time.monotonic(), reason or f"bootstrap_room {room} was served already", status)
+        return req
+
+    def _end(self, room: str, error: str | None, status: int = 504) -> Ended:
+        req = self._close(room, error or "", 400 if error is None else status)
         self.stats["transfers" if error is None else "failed"] += 1
         if error is not None:
             logger.warning("request %s (bootstrap_room %s) failed: %s", req.rid, room, error)

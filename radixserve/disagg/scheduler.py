@@ -33,6 +33,7 @@ class DisaggScheduler(Scheduler):
                                             pool, self.req_pool, layout)
         else:
             self.decode_side = DecodeSide(args.disaggregation_timeout, layout)
+        self._idle_step = False  # the last step computed nothing and sent nothing
 
     # ---- requests in -------------------------------------------------------------------
     def add_request(self, msg: GenerateReq) -> ErrorOut | None:
@@ -44,46 +45,60 @@ class DisaggScheduler(Scheduler):
         req = self.reqs[msg.rid]
         req.bootstrap = msg.bootstrap
         self.waiting.remove(req)
+        refused: tuple[str, int] | None
         if self.prefill_side is not None:
-            refused = self.prefill_side.claim(req)
             # the prefill samples the first token; the decode worker samples the rest
-            req.params = dataclasses.replace(req.params, max_new_tokens=1)
+            p = req.params
+            req.params = dataclasses.replace(p, max_new_tokens=1, min_new_tokens=min(p.min_new_tokens, 1))
+            refused = self.prefill_side.claim(req)
             if refused is None:
                 self.waiting.append(req)
         else:
             assert self.decode_side is not None
-            refused = self.decode_side.claim(req)  # it waits for its KV there
+            error = self.decode_side.claim(req)  # it waits for its KV there
+            refused = None if error is None else (error, 400)
             if req.prompt_logprobs is not None:  # the prefill worker's answer carries them (smg merges)
                 req.prompt_logprobs = PromptLogprobs.for_request(True, req.prompt_len, req.prompt_len,
                                                                  req.top_logprobs_num)
         if refused is not None:
             del self.reqs[req.rid]
-            return ErrorOut(rid=msg.rid, message=refused, status=400)
+            return ErrorOut(rid=msg.rid, message=refused[0], status=refused[1])
         return None
 
     def abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
-        if req is not None and req.bootstrap is not None and not req.finished:
-            if self.prefill_side is not None:
-                self.prefill_side.forget(req)
-            elif self.decode_side is not None and self.decode_side.forget(req):
-                self.kv.release(req, cache=False)
-                req.finish_reason = FinishReason("abort")
-                req.state = ReqState.FINISHED
-                self.stats.requests_aborted += 1
-                self._ended.append(req)
-                return
-        super().abort(rid)
+        if req is None or req.bootstrap is None or req.state == ReqState.FINISHED:
+            super().abort(rid)
+            return
+        waits_here = (self.prefill_side is not None and self.prefill_side.holds(req)) or \
+            (self.decode_side is not None and self.decode_side.forget(req))
+        if self.prefill_side is not None:
+            self.prefill_side.forget(req)
+        if not waits_here:  # in the scheduler's lists
+            super().abort(rid)
+            return
+        self.kv.release(req, cache=self.prefill_side is not None)  # a prefilled prompt is whole
+        req.finish_reason = FinishReason("abort")
+        req.state = ReqState.FINISHED
+        self.stats.requests_aborted += 1
+        self._ended.append(req)
 
     @property
     def has_work(self) -> bool:
         side = self.prefill_side or self.decode_side
         return super().has_work or (side is not None and side.busy)
 
+    @property
+    def only_compiling(self) -> bool:
+        """Also when the last step computed nothing while transfers are pending: the loop
+        waits a little for input instead of stepping empty."""
+        return super().only_compiling or self._idle_step
+
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> Any:
         now = time.monotonic()
         if self.prefill_side is not None:
+            self.prefill_side.sweep(self.reqs)  # requests the base dropped (a grammar that failed)
             self._settle(self.prefill_side.poll(now))
         if self.decode_side is not None:
             arrivals, failed = self.decode_side.poll(now)
@@ -92,7 +107,10 @@ class DisaggScheduler(Scheduler):
             for arrival in arrivals:
                 self._take_kv(arrival)
             self._reserve()
-        return super().step()
+        rows = self.stats.lm_head_rows
+        out = super().step()
+        self._idle_step = self.stats.lm_head_rows == rows and out is None
+        return out
 
     def _finish(self, req: Req, finished: list[Req]) -> None:
         if self.prefill_side is not None and req.bootstrap is not None and req.finish_reason.type != "abort":
@@ -101,16 +119,22 @@ class DisaggScheduler(Scheduler):
         super()._finish(req, finished)
 
     def _settle(self, ended: list[Any]) -> None:
-        """Prefill side: requests whose transfer ended, answered now."""
+        """Prefill side: requests whose transfer ended, answered now; one that failed while
+        still waiting or prefilling leaves the scheduler's lists uncomputed."""
         for e in ended:
             if e.error is None:
                 super()._finish(e.req, self._ended)
-            else:
-                self._fail(e.req, e.error, e.status)
+                continue
+            req = e.req
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self.kv.forget_waiting(req)
+            self._drop_from_lists(req)
+            self._fail(req, e.error, e.status)
 
     def _fail(self, req: Req, error: str, status: int) -> None:
         """Answer the request with an error; its computed prompt stays in the tree."""
-        self.kv.release(req, cache=self.prefill_side is not None)
+        self.kv.release(req, cache=self.prefill_side is not None and req.kv.computed_len >= req.prompt_len)
         req.finish_reason = FinishReason("abort")
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
@@ -119,9 +143,11 @@ class DisaggScheduler(Scheduler):
     # ---- decode side -------------------------------------------------------------------
     def _reserve(self) -> None:
         """Give waiting transfers their cached prefix and slots for the rest, oldest first, as
-        far as the pool allows after the running requests' own reserve; then ask for the KV."""
+        far as the pool allows after the future tokens of the running requests and of the
+        transfers in flight; then ask for the KV."""
         assert self.decode_side is not None
-        reserved = self.kv.pages_for(sum(reserve_tokens(r, self.new_token_ratio) for r in self.running))
+        ahead = [*self.running, *(t.req for t in self.decode_side.inflight.values())]
+        reserved = self.kv.pages_for(sum(reserve_tokens(r, self.new_token_ratio) for r in ahead))
         for req in list(self.decode_side.queue):
             state = self.constraints.poll(req)
             if state == "compiling":
@@ -130,16 +156,16 @@ class DisaggScheduler(Scheduler):
                 self.decode_side.forget(req, state)
                 self._fail(req, state, 400)
                 continue
-            budget = self.kv.available_pages() - reserved
-            if not self.kv.admit(req, page_budget=budget):
+            if not self.kv.admit(req, page_budget=self.kv.available_pages() - reserved):
                 return  # no free row
             n = req.prompt_len - req.kv.computed_len
-            future = reserve_tokens(req, self.new_token_ratio)
-            if self.kv.new_pages_needed(req, n) + self.kv.pages_for(future) > budget \
+            future = self.kv.pages_for(reserve_tokens(req, self.new_token_ratio))
+            # the matched prefix is locked now: what is left to take from
+            if self.kv.new_pages_needed(req, n) + future > self.kv.available_pages() - reserved \
                     or not self.kv.ensure_slots(req, n):
                 self.kv.release(req, cache=False)
                 return
-            reserved += self.kv.pages_for(future)
+            reserved += future
             self.kv.drop_swap_hold(req)
             req.hit.tokens = req.kv.cached_len
             req.hit.by_tier = req.hit.split if self.kv.tiers is not None else None
@@ -147,7 +173,9 @@ class DisaggScheduler(Scheduler):
             req.queue_time = time.perf_counter() - req.arrival_time
             self.stats.prompt_tokens += req.prompt_len
             self.stats.cached_tokens += req.kv.cached_len
-            self.decode_side.want(req)
+            if not self.decode_side.want(req):
+                self._fail(req, f"the prefill worker at {self.decode_side.key(req)[0]} reads no requests "
+                                "(its queue is full)", 502)
 
     def _take_kv(self, arrival: Arrival) -> None:
         """The prompt's KV arrived: write it, take the first token, decode from here on."""
@@ -158,7 +186,7 @@ class DisaggScheduler(Scheduler):
         n = data.length - data.have
         if data.have != req.kv.cached_len or data.length != req.prompt_len \
                 or arrival.kv.numel() != 2 * pool.num_layers * n * pool.slot_bytes:
-            self.decode_side.ack(arrival.transfer.endpoint, data.room)
+            self.decode_side.drop(arrival.transfer.endpoint, data.room, "KV of another shape than asked")
             self._fail(req, "the prefill worker sent KV of another shape than asked", 502)
             return
         slots = self.req_pool.read(req.kv.row, data.have, data.length)

@@ -73,6 +73,17 @@ def pool_layout(pool: Any, page_size: int) -> str:
             f"slot_bytes={pool.slot_bytes} page_size={page_size}")
 
 
+def keepalive(sock: Any) -> None:
+    """TCP keepalive on a transfer socket: a peer host that vanished without closing its
+    connection is noticed within about 10 s of silence (a dead process closes it at once)."""
+    import zmq
+
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 5)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+
+
 def endpoint(host: str, port: int) -> str:
     host = host.strip("[]")
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

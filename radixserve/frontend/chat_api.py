@@ -175,11 +175,10 @@ class _ChatCall:
 
     def streams(self, stream: bool) -> list[AsyncIterator[Piece]]:
         rids = choice_rids(self.body.rid, len(self.choice_params))
-        hints = self.body.hints()
-        several = len(rids) > 1
+        hints = self.body.hints(len(rids))
         return [self.st.stream(self.ids, p, stream=stream, logprob=self.body.logprobs,
-                               top_n=self.body.top_logprobs or 0, rid=rid, hints=hints.choice(i if several else None))
-                for i, (p, rid) in enumerate(zip(self.choice_params, rids, strict=True))]
+                               top_n=self.body.top_logprobs or 0, rid=rid, hints=h)
+                for p, rid, h in zip(self.choice_params, rids, hints, strict=True)]
 
     def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         head = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,

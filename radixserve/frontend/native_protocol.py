@@ -11,7 +11,7 @@ from radixserve.chat.messages import ChatMessage
 from radixserve.frontend.sglang_fields import GENERATE, SAMPLING, take_sglang_fields
 from radixserve.runtime.tokenizer_manager import MAX_EXTRA_KEY_CHARS, PRIORITY_LIMIT
 from radixserve.sampling.params import sampling_params_json_schema
-from radixserve.schema.base import Int64, RequestBody, reject
+from radixserve.schema.base import Int64, Port, RequestBody, Room, reject
 
 _SAMPLING = sampling_params_json_schema()
 # Checked by SamplingParams.from_dict (its errors name the field); documented precisely.
@@ -20,10 +20,6 @@ SamplingParamsField = Annotated[
     WithJsonSchema({"anyOf": [_SAMPLING, {"type": "array", "items": _SAMPLING}, {"type": "null"}],
                     "description": "one object, or one per prompt of a batch"}),
 ]
-
-
-Port = Annotated[StrictInt, Field(ge=1, le=65535)]
-Room = Annotated[StrictInt, Field(ge=0, lt=2**64)]
 
 
 class GenerateRequest(RequestBody):

@@ -103,12 +103,10 @@ class _CompletionCall:
 
     def streams(self, stream: bool) -> list[AsyncIterator[Piece]]:
         rids = choice_rids(self.body.rid, len(self.jobs))
-        hints = self.body.hints()
-        several = len(rids) > 1
+        hints = self.body.hints(len(self.jobs), len(self.prepared))
         return [self.st.stream(ids, p, stream=stream, logprob=self.want_lp, top_n=self.body.logprobs or 0,
-                               rid=rid, logprob_start_len=0 if self.echo_lp else -1,
-                               hints=hints.choice(i if several else None))
-                for i, ((ids, p), rid) in enumerate(zip(self.jobs, rids, strict=True))]
+                               rid=rid, logprob_start_len=0 if self.echo_lp else -1, hints=h)
+                for (ids, p), rid, h in zip(self.jobs, rids, hints, strict=True)]
 
     def prompt_logprobs(self, i: int, piece: Piece) -> dict[str, Any] | None:
         """Choice i's prompt part (echo + logprobs), from the piece that carries it."""

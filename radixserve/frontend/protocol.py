@@ -51,7 +51,9 @@ from radixserve.schema.base import (
     NAME_PATTERN,
     UNSUPPORTED,
     Body,
+    Port,
     RequestBody,
+    Room,
     check_json_schema,
     reject,
     unsupported,
@@ -107,9 +109,10 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
     # usage.cache_report: where the prompt's prefix match stopped (the first prompt's)
     return_cache_report: StrictBool = False
     # SGLang's bootstrap fields: smg's PD mode names the prefill worker and the request's room
-    bootstrap_host: str | None = None
-    bootstrap_port: StrictInt | None = Field(None, ge=1, le=65535)
-    bootstrap_room: StrictInt | None = Field(None, ge=0, lt=2**64)
+    # (one value, or a list: one per choice of a chat, one per prompt of a completion)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
+    bootstrap_room: Room | list[Room] | None = None
     # Constrained decoding: at most one of response_format (other than text), regex, ebnf,
     # json_schema.  regex and ebnf use xgrammar's dialects; the grammar backend checks them.
     response_format: ResponseFormat | None = None
@@ -181,11 +184,12 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
         """A streamed response ends with a usage chunk (``stream_options.include_usage``)."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def hints(self) -> SchedulingHints:
-        """The cache namespace and priority level of this request."""
-        return SchedulingHints(self.cache_salt or self.extra_key or "", self.priority or 0,
-                               cache_report=self.return_cache_report,
-                               bootstrap=bootstraps(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, 1)[0])
+    def hints(self, requests: int = 1, prompts: int = 1) -> list[SchedulingHints]:
+        """The cache namespace, priority level and bootstrap fields of each of the call's
+        ``requests`` (``prompts`` prompts' choices, in order)."""
+        rooms = bootstraps(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, requests, prompts)
+        return [SchedulingHints(self.cache_salt or self.extra_key or "", self.priority or 0,
+                                cache_report=self.return_cache_report, bootstrap=b) for b in rooms]
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling_params for this body (what it leaves out takes the default)."""

@@ -83,23 +83,30 @@ def split_batch(
     return batched, [PromptSpec(t, ids, sp, h) for t, ids, sp, h in zip(texts, ids_list, sps, hints, strict=True)]
 
 
-def bootstraps(host: Any, port: Any, room: Any, n: int) -> list[Bootstrap | None]:
-    """SGLang's bootstrap fields of a call of ``n`` prompts (each one value, or one per prompt)
-    as each prompt's :class:`Bootstrap`; one room given to a batch names prompt i ``room.i``.
-    A null ``bootstrap_port`` is SGLang's default port."""
+def bootstraps(host: Any, port: Any, room: Any, n: int, prompts: int | None = None) -> list[Bootstrap | None]:
+    """SGLang's bootstrap fields of a call of ``n`` requests as each one's :class:`Bootstrap`.
+
+    Each field is one value, a list of one value per request, or (with ``prompts``: the
+    requests are ``prompts`` prompts' ``n // prompts`` choices each, in order) one per prompt,
+    as smg sends them for a list of completion prompts.  Requests that share a room number are
+    told apart by their index: ``room.i``.  A null ``bootstrap_port`` is SGLang's default."""
     if room is None:
         return [None] * n
+    groups = prompts or n
     columns = []
     for name, value in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room)):
-        if isinstance(value, list):
-            if len(value) != n:
-                raise InvalidRequestError(f"{len(value)} {name} values for {n} prompts", param=name)
-            columns.append(value)
-        else:
+        if not isinstance(value, list):
             columns.append([value] * n)
-    shared = not isinstance(room, list) and n > 1
+        elif len(value) == n:
+            columns.append(value)
+        elif len(value) == groups:
+            columns.append([v for v in value for _ in range(n // groups)])
+        else:
+            raise InvalidRequestError(f"{len(value)} {name} values for {n} requests", param=name)
+    shared = [n > 1] * n if not isinstance(room, list) else [len(room) != n] * n
+    per = n if not isinstance(room, list) else n // groups  # requests sharing one room number
     return [None if r is None else Bootstrap(h or "", DEFAULT_BOOTSTRAP_PORT if p is None else p,
-                                             room_key(r, i if shared else None))
+                                             room_key(r, i % per if shared[i] else None))
             for i, (h, p, r) in enumerate(zip(*columns, strict=True))]
 
 

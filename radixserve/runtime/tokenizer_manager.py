@@ -83,13 +83,6 @@ class SchedulingHints:
         if self.pin_ttl is not None and not (isinstance(self.pin_ttl, (int, float)) and 0 < self.pin_ttl < 1e9):
             raise InvalidRequestError(f"ttl must be a positive number of seconds, got {self.pin_ttl!r}", param="ttl")
 
-    def choice(self, index: int | None) -> SchedulingHints:
-        """The hints of choice ``index`` of several (n > 1): its own bootstrap room."""
-        if self.bootstrap is None or index is None:
-            return self
-        b = self.bootstrap
-        return dataclasses.replace(self, bootstrap=m.Bootstrap(b.host, b.port, f"{b.room}.{index}"))
-
 
 def decode_divergence(tokenizer: Any, report: dict[str, Any]) -> dict[str, Any]:
     """A cache report or near-miss with its token ids decoded: ``context`` (the text just

@@ -66,6 +66,10 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
+Port = Annotated[StrictInt, Field(ge=1, le=65535)]  # a TCP port (SGLang's bootstrap_port)
+Room = Annotated[StrictInt, Field(ge=0, lt=2**64)]  # SGLang's bootstrap_room: an unsigned 64-bit number
+
+
 def reject(param: str, message: str) -> PydanticCustomError:
     """A validation error whose ``param`` (a path below where it is raised: ``"audio"``,
     ``"[2].type"`` or ``""``) the HTTP error handler reports.  The message names the field too."""
