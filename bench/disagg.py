@@ -1,6 +1,7 @@
 """Prefill-decode disaggregation on one machine: a prefill and a decode worker behind smg
 (``--pd-disaggregation``) against two colocated workers behind smg (``cache_aware``), one core
-each, the same workload through smg's streamed ``/v1/chat/completions``: ``--chat-clients``
+each (and ``pd-nixl``: the pair with its KV written through NIXL), the same workload through
+smg's streamed ``/v1/chat/completions``: ``--chat-clients``
 clients each looping over short chat messages (a new one every turn, exactly ``--chat-tokens``
 out), and every ``--burst-interval`` s a burst of ``--burst-size`` long never-seen prompts
 (disjoint windows of the corpus, bench/workloads.py: only the template's system prompt is ever
@@ -52,7 +53,7 @@ from bench.workloads import TokenStream  # noqa: E402
 
 TARGET_ITL_RATIO = 3.0  # colocated / pd chat ITL p99 under bursts
 TARGET_TRANSFER_SHARE = 0.10  # transfer ms / prefill ms of a 1k-token prompt
-CONFIGS = ("pd", "colocated")
+CONFIGS = ("pd", "colocated", "pd-nixl")  # pd-nixl: the KV written through NIXL (UCX) instead of ZeroMQ
 ONE_CORE = {"OMP_NUM_THREADS": "1"}
 # No worker ejected for an answer; a stopped router waits for nothing in flight.
 ROUTER_FLAGS = ("--disable-circuit-breaker", "--shutdown-grace-period-secs", "1", "--log-level", "warn")
@@ -205,8 +206,9 @@ def config_setup(name: str, args: argparse.Namespace) -> tuple[list[list[str]], 
     if name == "colocated":
         return [base, base], lambda urls: ["--worker-urls", *urls, "--policy", "cache_aware"]
     bootstrap = free_port()
-    flags = [[*base, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)],
-             [*base, "--disaggregation-mode", "decode"]]
+    backend = ["--disaggregation-transfer-backend", "nixl" if name == "pd-nixl" else "zmq"]
+    flags = [[*base, *backend, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)],
+             [*base, *backend, "--disaggregation-mode", "decode"]]
     return flags, lambda urls: ["--pd-disaggregation", "--prefill", urls[0], str(bootstrap),
                                 "--decode", urls[1], "--policy", "round_robin"]
 
@@ -234,7 +236,7 @@ def run_config(name: str, work: Workload, args: argparse.Namespace) -> dict[str,
             row = {"config": name, **summarize_traffic(chats, bursts, args),
                    "requests_per_worker": [a["requests_finished"] - b["requests_finished"]
                                            for a, b in zip(after, before, strict=True)]}
-            if name == "pd":
+            if name.startswith("pd"):
                 row["kv"] = kv_moved(before, after)
             print(f"[{name}] {len(work.measure)} sequential {args.measure_len}-token prompts ...", flush=True)
             row["measure"] = measure(name, router.base_url, urls, work.measure)
@@ -291,14 +293,14 @@ def measure(name: str, router: str, urls: list[str], prompts: list[str]) -> dict
     moved per request.  ``colocated``: the prompts straight to the first worker, one output token:
     their TTFT is the prefill time, and so is the worker's step time (one step each)."""
     before = [worker_stats(u) for u in urls]
-    base, max_tokens = (router, 2) if name == "pd" else (urls[0], 1)
+    base, max_tokens = (router, 2) if name.startswith("pd") else (urls[0], 1)
     replies = asyncio.run(sequential(base, prompts, max_tokens))
     after = [worker_stats(u) for u in urls]
     if failed := [r.error for r in replies if not r.ok]:
         raise RuntimeError(f"[{name}] {len(failed)} measurement requests failed, e.g. {failed[0]}")
     out = {"requests": len(replies), "prompt_tokens": sum(r.prompt_tokens for r in replies) / len(replies),
            "ttft_ms": 1000 * sum(r.ttft for r in replies) / len(replies)}
-    if name == "pd":
+    if name.startswith("pd"):
         out["kv"] = kv_moved(before, after)
     else:
         out["step_ms"] = 1000 * (after[0]["step_seconds"] - before[0]["step_seconds"]) / len(replies)
@@ -306,16 +308,17 @@ def measure(name: str, router: str, urls: list[str], prompts: list[str]) -> dict
 
 
 # ---- the report -----------------------------------------------------------------------------
-def overhead(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The PD pair's transfer ms per 1k-token prompt over a colocated worker's prefill ms."""
+def overhead(rows: list[dict[str, Any]], pd: str = "pd") -> dict[str, Any] | None:
+    """The PD pair's (config ``pd``) transfer ms per 1k-token prompt over a colocated worker's
+    prefill ms."""
     by = {r["config"]: r["measure"] for r in rows}
-    if set(by) != set(CONFIGS):
+    if pd not in by or "colocated" not in by:
         return None
-    kv, prefill = by["pd"]["kv"], by["colocated"]["ttft_ms"]
+    kv, prefill = by[pd]["kv"], by["colocated"]["ttft_ms"]
     transfer = kv["transfer_ms_per_request"]
     if transfer is None:  # no transfer counted: nothing to compare
         return None
-    return {"prompt_tokens": by["pd"]["prompt_tokens"], "kv_bytes": kv["bytes_per_request"],
+    return {"config": pd, "prompt_tokens": by[pd]["prompt_tokens"], "kv_bytes": kv["bytes_per_request"],
             "transfer_ms": transfer, "send_ms": kv["send_ms"], "wire_ms": kv["wire_ms"], "write_ms": kv["write_ms"],
             "prefill_ms": prefill, "prefill_step_ms": by["colocated"]["step_ms"],
             "share": transfer / prefill}
@@ -353,8 +356,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def overhead_text(cost: dict[str, Any] | None) -> str:
     if cost is None:
-        return "Transfer overhead: not measured (it needs both configs)"
-    return (f"Transfer overhead ({cost['prompt_tokens']:.0f}-token prompts, loopback): KV "
+        return "Transfer overhead: not measured (it needs a pd config and colocated)"
+    return (f"Transfer overhead, {cost['config']} ({cost['prompt_tokens']:.0f}-token prompts, loopback): KV "
             f"{cost['kv_bytes'] / 2**20:.1f} MiB, transfer {cost['transfer_ms']:.1f} ms (send {cost['send_ms']:.1f} "
             f"+ wire {cost['wire_ms']:.1f} + write {cost['write_ms']:.1f}) / prefill {cost['prefill_ms']:.0f} ms "
             f"(TTFT on a colocated worker; its step {cost['prefill_step_ms']:.0f} ms) = {cost['share']:.1%}")
@@ -364,7 +367,7 @@ def overhead_text(cost: dict[str, Any] | None) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="disagg.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder (default: the embedded default model)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="pd, colocated or both (comma-separated)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="pd, colocated, pd-nixl (comma-separated)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--pool-tokens", type=int, default=16384, help="KV pool per worker")
     p.add_argument("--duration", type=float, default=60.0, help="timed seconds (after --warmup)")
@@ -405,13 +408,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = build_workload(load_tokenizer(args.model or default_model_path()), args)
     rows = [run_config(name, work, args) for name in args.configs]
     cost = overhead(rows)
+    nixl_cost = overhead(rows, "pd-nixl")
     found = checks(rows, cost, args.dtype)
     text = (f"PD disaggregation vs colocated, 2 workers x 1 thread behind smg, {args.dtype}: {args.chat_clients} "
             f"chat clients ({args.chat_len} -> {args.chat_tokens} tokens), bursts of {args.burst_size} x "
             f"{args.burst_len} -> {args.burst_tokens} tokens every {args.burst_interval:g} s, {args.duration:g} s "
-            f"timed (ms; ITL p99 burst: the gaps overlapping a burst's prefill)\n{table(rows)}\n\n{overhead_text(cost)}")
+            f"timed (ms; ITL p99 burst: the gaps overlapping a burst's prefill)\n{table(rows)}\n\n{overhead_text(cost)}"
+            + (f"\n{overhead_text(nixl_cost)}" if nixl_cost else ""))
     report = {"benchmark": "disagg", "machine": machine_info(), "params": args_params(args),
-              "router_flags": list(ROUTER_FLAGS), "runs": rows, "transfer_overhead": cost, "targets": found,
+              "router_flags": list(ROUTER_FLAGS), "runs": rows, "transfer_overhead": cost, "transfer_overhead_nixl": nixl_cost, "targets": found,
               "wall_s": time.perf_counter() - started}
     print("\n" + text + "\n" + "\n".join(target_lines(found)))
     write_report(report, args.out)

@@ -41,11 +41,11 @@ class Pair:
         return openai.OpenAI(base_url=self.router.base_url + "/v1", api_key="none", max_retries=0)
 
 
-def start_pair(*, grpc: bool = False) -> Pair:
+def start_pair(*, grpc: bool = False, backend: str = "zmq") -> Pair:
     """A prefill and a decode worker behind smg, as HTTP workers or (``grpc``) as smg's
-    ``grpc://`` workers (smg then tokenizes and detokenizes)."""
+    ``grpc://`` workers (smg then tokenizes and detokenizes); the KV moved by ``backend``."""
     boot, ports = free_port(), [free_port(), free_port()]
-    extra = [["--grpc-port", str(port)] if grpc else [] for port in ports]
+    extra = [["--grpc-port", str(port)] * grpc + ["--disaggregation-transfer-backend", backend] for port in ports]
     pair = Pair(ServerProcess("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
                               "--disaggregation-timeout", TIMEOUT, *extra[0], env=WORKER_ENV),
                 ServerProcess("--disaggregation-mode", "decode", "--disaggregation-timeout", TIMEOUT, *extra[1],
@@ -200,6 +200,39 @@ def test_a_pair_of_grpc_workers_behind_smg_equals_one_worker(single) -> None:
         stop_pair(pair)
 
 
+def test_the_kv_written_through_nixl_gives_one_workers_answers(single) -> None:
+    """--disaggregation-transfer-backend nixl: the prefill worker writes the KV into the decode
+    worker's slots (UCX, here over shared memory or TCP between two processes)."""
+    pair = start_pair(backend="nixl")
+    try:
+        assert httpx.post(single.base_url + "/flush_cache", timeout=30).status_code == 200
+        bytes_per_token = server_info(pair.decode)["model_info"]["kv_cache_bytes_per_token"]
+        messages = [{"role": "user", "content": "Name three rivers in Europe."}]
+        for turn in range(2):  # the second hits the decode worker's tree: only the rest moves
+            before = transfers(pair.decode)
+            got = pair.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+            want = openai_client(single).chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                                                 temperature=0)
+            assert got.choices[0].message.content == want.choices[0].message.content
+            cached = got.usage.prompt_tokens_details.cached_tokens
+            assert cached == want.usage.prompt_tokens_details.cached_tokens and (cached > 0) == (turn == 1)
+            after = transfers(pair.decode)
+            assert after["bytes"] - before["bytes"] == (got.usage.prompt_tokens - cached) * bytes_per_token
+            messages += [{"role": "assistant", "content": got.choices[0].message.content},
+                         {"role": "user", "content": "And three mountains?"}]
+        body = {"text": "Water boils at", "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+                "return_logprob": True}
+        got = httpx.post(pair.router.base_url + "/generate", json=body, timeout=60).json()
+        want = httpx.post(single.base_url + "/generate", json=body, timeout=60).json()
+        assert got["text"] == want["text"]
+        assert [t[0] for t in got["meta_info"]["output_token_logprobs"]] == \
+            pytest.approx([t[0] for t in want["meta_info"]["output_token_logprobs"]], abs=1e-4)
+        check_memory_idle(pair.prefill)
+        check_memory_idle(pair.decode)
+    finally:
+        stop_pair(pair)
+
+
 # ---- failures: an error for the client, nothing left behind ----------------------------------
 def post_both(pair: Pair, prefill_body: dict, decode_body: dict) -> tuple[httpx.Response, httpx.Response]:
     """What smg does: the same room to both workers at once."""
@@ -312,7 +345,6 @@ def test_a_killed_worker_fails_its_in_flight_request_and_the_survivor_frees_its_
 # ---- settings --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, message", [
     ({"disaggregation_mode": "both"}, "disaggregation_mode must be one of null, prefill, decode"),
-    ({"disaggregation_mode": "prefill", "disaggregation_transfer_backend": "nixl"}, "use zmq"),
     ({"disaggregation_transfer_backend": "mooncake"}, "must be one of zmq, nixl"),
     ({"disaggregation_mode": "decode", "tp_size": 2}, "needs tp_size 1"),
     ({"disaggregation_bootstrap_port": 0}, "must be a TCP port"),
@@ -321,6 +353,16 @@ def test_a_killed_worker_fails_its_in_flight_request_and_the_survivor_frees_its_
 def test_bad_settings_are_refused_before_the_model_loads(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ServerArgs(**kw)
+
+
+def test_nixl_is_refused_where_it_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nixl" else real(name, *a))
+    with pytest.raises(ValueError, match="needs the nixl package"):
+        ServerArgs(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl")
+    ServerArgs(disaggregation_transfer_backend="nixl")  # a colocated worker does not use it
 
 
 def test_the_rooms_of_a_batch() -> None:

@@ -20,6 +20,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from radixserve.disagg.nixl import NixlEnd
 from radixserve.disagg.wire import (
     KVAck,
     KVData,
@@ -54,23 +55,29 @@ class Failed:
     req: Any
     error: str
     status: int
+    hold: bool = False  # its slots stay reserved (a NIXL write may still land): freed when released
 
 
 class DecodeSide:
-    def __init__(self, timeout_s: float, layout: str) -> None:
+    def __init__(self, timeout_s: float, layout: str, bytes_per_token: int, nixl: NixlEnd | None = None) -> None:
         self.timeout_s = timeout_s
+        self.bytes_per_token = bytes_per_token
         self.layout = layout
+        self.nixl = nixl
         self.ctx = zmq.Context.instance()
         self.socks: dict[str, zmq.Socket] = {}
         self.monitors: dict[str, zmq.Socket] = {}
         self.queue: deque[Any] = deque()  # waiting for KV slots
         self.queued_at: dict[str, float] = {}
         self.inflight: dict[tuple[str, str], Transfer] = {}  # (endpoint, room)
+        # Requests that ended while a NIXL write into their slots may be under way: the slots
+        # stay theirs until the prefill worker answers for the room (or the timeout).
+        self.held: dict[tuple[str, str], Transfer] = {}
         self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "wait_s": 0.0, "wire_s": 0.0, "write_s": 0.0}
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.inflight)
+        return bool(self.queue or self.inflight or self.held)
 
     @staticmethod
     def key(req: Any) -> tuple[str, str]:
@@ -91,61 +98,82 @@ class DecodeSide:
         self.queued_at[req.rid] = time.monotonic()
         return None
 
-    def want(self, req: Any) -> bool:
-        """The request holds its slots: ask its prefill worker for the KV past its cached prefix.
-        False when the ask cannot be queued (the prefill worker reads nothing)."""
+    def want(self, req: Any, slots: Any) -> bool:
+        """The request holds its slots (``slots``: those of ``[have, length)``): ask its prefill
+        worker for the KV past its cached prefix, written there through NIXL when this worker
+        has it.  False when the ask cannot be queued (the prefill worker reads nothing)."""
         self.queue.remove(req)
         self.queued_at.pop(req.rid, None)
         ep, room = self.key(req)
+        target = self.nixl.target(slots) if self.nixl is not None else None
         if not self._send(ep, KVWant(room=room, have=req.kv.cached_len, length=req.prompt_len,
-                                     digest=prompt_digest(req.prompt_ids), layout=self.layout)):
+                                     digest=prompt_digest(req.prompt_ids), layout=self.layout, nixl=target)):
             return False
         self.inflight[(ep, room)] = Transfer(req, ep, time.monotonic())
         return True
 
-    def forget(self, req: Any, reason: str = "aborted") -> bool:
-        """The request ended here: True when it was waiting here (its prefill worker is told)."""
+    def forget(self, req: Any, reason: str = "aborted") -> str:
+        """The request ended here; its prefill worker is told.  "free": it waited here and its
+        slots can go; "hold": a NIXL write may be landing in them, they go when the prefill
+        worker answers (:meth:`poll`'s ``released``); "": it was not here."""
         key = self.key(req)
         if req in self.queue:
             self.queue.remove(req)
             self.queued_at.pop(req.rid, None)
+            where = "free"
         elif self.inflight.get(key, Transfer(None, "", 0)).req is req:
-            del self.inflight[key]
+            t = self.inflight.pop(key)
+            where = "free"
+            if self.nixl is not None:
+                self.held[key] = Transfer(req, t.endpoint, time.monotonic())
+                where = "hold"
         else:
-            return False
+            return ""
         self.drop(*key, reason)
-        return True
+        return where
 
     def drop(self, ep: str, room: str, reason: str) -> None:
         """Tell the prefill worker that the room ended here (its KV, sent or not, is not wanted)."""
         self._send(ep, KVDrop(room=room, reason=reason))
 
-    def poll(self, now: float) -> tuple[list[Arrival], list[Failed]]:
+    def poll(self, now: float) -> tuple[list[Arrival], list[Failed], list[Any]]:
+        """The KV that arrived, the requests that failed, and the requests whose held slots
+        can be freed now."""
         arrivals: list[Arrival] = []
         failed: list[Failed] = []
+        released: list[Any] = []
+        if self.nixl is not None and (self.inflight or self.held):
+            self.nixl.progress()
         for ep, sock in list(self.socks.items()):
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._receive(ep, frames, arrivals, failed)
-            self._watch(ep, failed)
+                self._receive(ep, frames, arrivals, failed, released)
+            self._watch(ep, failed, released)
         for key, t in list(self.inflight.items()):
             if now - t.since > self.timeout_s:
                 del self.inflight[key]
                 self._send(key[0], KVDrop(room=key[1], reason="timed out"))
+                if self.nixl is not None:
+                    self.held[key] = Transfer(t.req, t.endpoint, now)
                 failed.append(Failed(t.req, f"no KV arrived from the prefill worker at {key[0]} for "
-                                            f"bootstrap_room {key[1]} within {self.timeout_s:g} s", 504))
+                                            f"bootstrap_room {key[1]} within {self.timeout_s:g} s", 504,
+                                     hold=self.nixl is not None))
         for req in list(self.queue):
             if now - self.queued_at[req.rid] > self.timeout_s:
                 self.forget(req)
                 failed.append(Failed(req, f"the decode worker had no KV slots for the request within "
                                           f"{self.timeout_s:g} s", 503))
+        for key, t in list(self.held.items()):
+            if now - t.since > self.timeout_s:
+                released.append(self.held.pop(key).req)
         self.stats["failed"] += len(failed)
-        return arrivals, failed
+        return arrivals, failed, released
 
-    def _receive(self, ep: str, frames: list[Any], arrivals: list[Arrival], failed: list[Failed]) -> None:
+    def _receive(self, ep: str, frames: list[Any], arrivals: list[Arrival], failed: list[Failed],
+                 released: list[Any]) -> None:
         try:
             if len(frames) < 2:
                 raise ValueError(f"{len(frames)} frame(s)")
@@ -153,7 +181,13 @@ class DecodeSide:
         except ValueError as e:
             logger.warning("dropped a malformed message from the prefill worker at %s: %s", ep, e)
             return
-        t = self.inflight.pop((ep, msg.room), None) if isinstance(msg, (KVData, KVFail)) else None
+        if not isinstance(msg, (KVData, KVFail)):
+            return
+        held = self.held.pop((ep, msg.room), None)
+        if held is not None:  # the prefill worker is done with the room: nothing writes there now
+            released.append(held.req)
+            return
+        t = self.inflight.pop((ep, msg.room), None)
         if t is None:
             return  # a room that already ended here (aborted, timed out)
         if isinstance(msg, KVFail):
@@ -165,7 +199,7 @@ class DecodeSide:
             kv = torch.frombuffer(frames[2].buffer, dtype=torch.uint8) if len(frames) > 2 else torch.empty(0)
         self.stats["wait_s"] += time.monotonic() - t.since
         self.stats["wire_s"] += max(0.0, time.time() - msg.sent_at)
-        self.stats["bytes"] += kv.numel()
+        self.stats["bytes"] += kv.numel() if not msg.written else (msg.length - msg.have) * self.bytes_per_token
         arrivals.append(Arrival(t, msg, kv))
 
     def ack(self, ep: str, room: str) -> None:
@@ -178,7 +212,7 @@ class DecodeSide:
             return False
         return True
 
-    def _watch(self, ep: str, failed: list[Failed]) -> None:
+    def _watch(self, ep: str, failed: list[Failed], released: list[Any]) -> None:
         """A closed connection to a prefill worker fails what it still owed."""
         mon = self.monitors[ep]
         while True:
@@ -188,6 +222,8 @@ class DecodeSide:
                 return
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
+            for key in [k for k in self.held if k[0] == ep]:
+                released.append(self.held.pop(key).req)
             for key, t in list(self.inflight.items()):
                 if key[0] == ep:
                     del self.inflight[key]
@@ -212,6 +248,8 @@ class DecodeSide:
         return sock
 
     def close(self) -> None:
+        if self.nixl is not None:
+            self.nixl.close()
         for ep, sock in self.socks.items():
             sock.disable_monitor()
             self.monitors[ep].close(0)

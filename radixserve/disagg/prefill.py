@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from radixserve.disagg.nixl import NixlEnd
 from radixserve.disagg.wire import KVAck, KVData, KVDrop, KVFail, KVWant, keepalive, prompt_digest
 from radixserve.ipc import messages as m
 
@@ -43,6 +44,17 @@ class _Closed:
 
 
 @dataclass
+class _Write:
+    """A NIXL write posted, its header sent once it is done."""
+
+    handle: Any
+    peer: bytes
+    header: KVData
+    t0: float
+    nbytes: int
+
+
+@dataclass
 class Ended:
     req: Any
     error: str | None = None  # None: acknowledged
@@ -50,8 +62,10 @@ class Ended:
 
 
 class PrefillSide:
-    def __init__(self, port: int, timeout_s: float, pool: Any, req_pool: Any, layout: str) -> None:
+    def __init__(self, port: int, timeout_s: float, pool: Any, req_pool: Any, layout: str,
+                 nixl: NixlEnd | None = None) -> None:
         self.timeout_s = timeout_s
+        self.nixl = nixl
         self.pool, self.req_pool, self.layout = pool, req_pool, layout
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises on send
@@ -66,18 +80,20 @@ class PrefillSide:
         self.wants: dict[str, _Want] = {}
         self.parked: dict[str, float] = {}  # prefilled, waiting for its decode worker's want
         self.sent: dict[str, float] = {}  # sent, waiting for the acknowledgement
+        self.writing: dict[str, _Write] = {}  # NIXL writes in progress
+        self.draining: list[Any] = []  # NIXL writes of requests that ended: released when done
         self.arrival: dict[str, float] = {}
         self.closed: dict[str, _Closed] = {}  # rooms that ended here, kept for the timeout
         self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "send_s": 0.0}
 
     @property
     def busy(self) -> bool:
-        return bool(self.parked or self.sent)
+        return bool(self.parked or self.sent or self.writing)
 
     def holds(self, req: Any) -> bool:
-        """The request is prefilled and waits here (for its want, or for the acknowledgement)."""
+        """The request is prefilled and waits here (for its want, its write, its acknowledgement)."""
         room = req.bootstrap.room
-        return self.live.get(room) is req and (room in self.parked or room in self.sent)
+        return self.live.get(room) is req and (room in self.parked or room in self.sent or room in self.writing)
 
     def claim(self, req: Any) -> tuple[str, int] | None:
         """Take the request's room; the error and status when it cannot have it."""
@@ -124,6 +140,11 @@ class PrefillSide:
                 break
             if len(frames) == 3:
                 ended += self._receive(frames[0], frames[2])
+        for room in list(self.writing):
+            ended += self._check_write(room)
+        for handle in [h for h in self.draining if self.nixl is not None and self.nixl.state(h) != "PROC"]:
+            self.draining.remove(handle)
+            handle.release()
         for room, since in list(self.parked.items()):
             if now - since > self.timeout_s:
                 ended.append(self._end(room, f"no decode worker asked for the KV of bootstrap_room {room} "
@@ -185,7 +206,7 @@ class PrefillSide:
             self._send(want.peer, KVFail(room=room, reason=reason, status=400))
             return [self._end(room, reason, 400)]
         t0 = time.perf_counter()
-        kv = self.pool.gather(self.req_pool.read(req.kv.row, msg.have, msg.length))
+        slots = self.req_pool.read(req.kv.row, msg.have, msg.length)
         lp = req.return_logprob and bool(req.out.logprobs)
         top = req.out.top_logprobs[0] if lp and req.out.top_logprobs else []
         header = KVData(room=room, have=msg.have, length=msg.length, token=int(req.output_ids[0]),
@@ -193,15 +214,44 @@ class PrefillSide:
                         top_ids=[int(t) for t, _ in top] if lp else None,
                         top_logprobs=[float(x) for _, x in top] if lp else None,
                         prefill_s=time.monotonic() - self.arrival[room])
-        payload = kv.cpu().numpy()
+        del self.parked[room]
+        if self.nixl is not None and msg.nixl is not None:  # both ends have NIXL: write into its slots
+            try:
+                handle = self.nixl.write(slots, msg.nixl, room)
+            except (RuntimeError, ValueError) as e:
+                self._send(want.peer, KVFail(room=room, reason=f"the NIXL transfer failed: {e}"))
+                return [self._end(room, f"the NIXL transfer failed: {e}", 502)]
+            self.writing[room] = _Write(handle, want.peer, header, t0, len(slots) * self.pool.bytes_per_token)
+            return self._check_write(room)
+        payload = self.pool.gather(slots).cpu().numpy()
         header.sent_at = time.time()
         if not self._send(want.peer, header, payload):
             return [self._end(room, "the decode worker went away before the KV was sent", 502)]
-        self.stats["send_s"] += time.perf_counter() - t0
-        self.stats["bytes"] += payload.nbytes
-        del self.parked[room]
-        self.sent[room] = time.monotonic()
+        self._sent(room, t0, payload.nbytes)
         return []
+
+    def _check_write(self, room: str) -> list[Ended]:
+        """A NIXL write in progress: once done, tell the decode worker (the header alone)."""
+        w = self.writing[room]
+        state = self.nixl.state(w.handle) if self.nixl is not None else "ERR"
+        if state == "PROC":
+            return []
+        del self.writing[room]
+        w.handle.release()
+        if state != "DONE":
+            self._send(w.peer, KVFail(room=room, reason="the NIXL transfer failed"))
+            return [self._end(room, "the NIXL transfer to the decode worker failed", 502)]
+        w.header.written = True
+        w.header.sent_at = time.time()
+        if not self._send(w.peer, w.header):
+            return [self._end(room, "the decode worker went away before the KV was written", 502)]
+        self._sent(room, w.t0, w.nbytes)
+        return []
+
+    def _sent(self, room: str, t0: float, nbytes: int) -> None:
+        self.stats["send_s"] += time.perf_counter() - t0
+        self.stats["bytes"] += nbytes
+        self.sent[room] = time.monotonic()
 
     def _send(self, peer: bytes, msg: Any, payload: Any = None) -> bool:
         frames = [peer, b"", m.encode(msg)] + ([memoryview(payload).cast("B")] if payload is not None else [])
@@ -215,6 +265,9 @@ class PrefillSide:
         req = self.live.pop(room)
         for table in (self.arrival, self.parked, self.sent, self.wants):
             table.pop(room, None)
+        write = self.writing.pop(room, None)
+        if write is not None:  # ended mid-write (aborted): released once NIXL is done with it
+            self.draining.append(write.handle)
         self.closed[room] = _Closed(time.monotonic(), reason or f"bootstrap_room {room} was served already", status)
         return req
 
@@ -227,3 +280,5 @@ class PrefillSide:
 
     def close(self) -> None:
         self.sock.close(0)
+        if self.nixl is not None:
+            self.nixl.close()

@@ -12,6 +12,7 @@ import torch
 
 from radixserve.config import ServerArgs
 from radixserve.disagg.decode import Arrival, DecodeSide
+from radixserve.disagg.nixl import NixlEnd
 from radixserve.disagg.prefill import PrefillSide
 from radixserve.disagg.wire import pool_layout
 from radixserve.ipc.messages import ErrorOut, FinishReason, GenerateReq
@@ -28,11 +29,12 @@ class DisaggScheduler(Scheduler):
         layout = pool_layout(pool, self.page_size)
         self.prefill_side: PrefillSide | None = None
         self.decode_side: DecodeSide | None = None
+        nixl = NixlEnd(pool) if args.disaggregation_transfer_backend == "nixl" else None
         if args.disaggregation_mode == "prefill":
             self.prefill_side = PrefillSide(args.disaggregation_bootstrap_port, args.disaggregation_timeout,
-                                            pool, self.req_pool, layout)
+                                            pool, self.req_pool, layout, nixl)
         else:
-            self.decode_side = DecodeSide(args.disaggregation_timeout, layout)
+            self.decode_side = DecodeSide(args.disaggregation_timeout, layout, pool.bytes_per_token, nixl)
         self._idle_step = False  # the last step computed nothing and sent nothing
 
     # ---- requests in -------------------------------------------------------------------
@@ -70,14 +72,17 @@ class DisaggScheduler(Scheduler):
         if req is None or req.bootstrap is None or req.state == ReqState.FINISHED:
             super().abort(rid)
             return
-        waits_here = (self.prefill_side is not None and self.prefill_side.holds(req)) or \
-            (self.decode_side is not None and self.decode_side.forget(req))
+        where = ""  # "free": it waited here; "hold": its slots wait for a NIXL write to be over
         if self.prefill_side is not None:
+            where = "free" if self.prefill_side.holds(req) else ""
             self.prefill_side.forget(req)
-        if not waits_here:  # in the scheduler's lists
+        elif self.decode_side is not None:
+            where = self.decode_side.forget(req)
+        if not where:  # in the scheduler's lists
             super().abort(rid)
             return
-        self.kv.release(req, cache=self.prefill_side is not None)  # a prefilled prompt is whole
+        if where == "free":
+            self.kv.release(req, cache=self.prefill_side is not None)  # a prefilled prompt is whole
         req.finish_reason = FinishReason("abort")
         req.state = ReqState.FINISHED
         self.stats.requests_aborted += 1
@@ -101,9 +106,11 @@ class DisaggScheduler(Scheduler):
             self.prefill_side.sweep(self.reqs)  # requests the base dropped (a grammar that failed)
             self._settle(self.prefill_side.poll(now))
         if self.decode_side is not None:
-            arrivals, failed = self.decode_side.poll(now)
+            arrivals, failed, released = self.decode_side.poll(now)
+            for req in released:
+                self.kv.release(req, cache=False)
             for f in failed:
-                self._fail(f.req, f.error, f.status)
+                self._fail(f.req, f.error, f.status, release=not f.hold)
             for arrival in arrivals:
                 self._take_kv(arrival)
             self._reserve()
@@ -132,9 +139,11 @@ class DisaggScheduler(Scheduler):
             self._drop_from_lists(req)
             self._fail(req, e.error, e.status)
 
-    def _fail(self, req: Req, error: str, status: int) -> None:
-        """Answer the request with an error; its computed prompt stays in the tree."""
-        self.kv.release(req, cache=self.prefill_side is not None and req.kv.computed_len >= req.prompt_len)
+    def _fail(self, req: Req, error: str, status: int, release: bool = True) -> None:
+        """Answer the request with an error; its computed prompt stays in the tree.  Without
+        ``release`` its slots stay reserved (the decode side frees them later)."""
+        if release:
+            self.kv.release(req, cache=self.prefill_side is not None and req.kv.computed_len >= req.prompt_len)
         req.finish_reason = FinishReason("abort")
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
@@ -173,7 +182,7 @@ class DisaggScheduler(Scheduler):
             req.queue_time = time.perf_counter() - req.arrival_time
             self.stats.prompt_tokens += req.prompt_len
             self.stats.cached_tokens += req.kv.cached_len
-            if not self.decode_side.want(req):
+            if not self.decode_side.want(req, self.req_pool.read(req.kv.row, req.kv.cached_len, req.prompt_len)):
                 self._fail(req, f"the prefill worker at {self.decode_side.key(req)[0]} reads no requests "
                                 "(its queue is full)", 502)
 
@@ -185,12 +194,13 @@ class DisaggScheduler(Scheduler):
         pool = self.runner.kv_pool
         n = data.length - data.have
         if data.have != req.kv.cached_len or data.length != req.prompt_len \
-                or arrival.kv.numel() != 2 * pool.num_layers * n * pool.slot_bytes:
+                or arrival.kv.numel() != (0 if data.written else 2 * pool.num_layers * n * pool.slot_bytes):
             self.decode_side.drop(arrival.transfer.endpoint, data.room, "KV of another shape than asked")
             self._fail(req, "the prefill worker sent KV of another shape than asked", 502)
             return
-        slots = self.req_pool.read(req.kv.row, data.have, data.length)
-        pool.scatter(slots, arrival.kv.view(2, pool.num_layers, n, pool.slot_bytes))
+        if not data.written:  # else it is in the slots already (NIXL)
+            slots = self.req_pool.read(req.kv.row, data.have, data.length)
+            pool.scatter(slots, arrival.kv.view(2, pool.num_layers, n, pool.slot_bytes))
         self.decode_side.ack(arrival.transfer.endpoint, data.room)
         req.kv.computed_len = data.length
         req.bootstrap = None  # a retraction from here on recomputes it here, as any request
@@ -206,6 +216,11 @@ class DisaggScheduler(Scheduler):
         req.state = ReqState.RUNNING
         self.running.append(req)
         self.kv.cache_unfinished(req)
+
+    def live_requests(self) -> list[Req]:
+        """With the ended requests whose slots a NIXL write may still reach."""
+        held = [t.req for t in self.decode_side.held.values()] if self.decode_side is not None else []
+        return [*super().live_requests(), *held]
 
     def get_stats(self) -> dict[str, Any]:
         """A decode worker's transfers count as waiting (for their KV), a prefill worker's as

@@ -27,7 +27,10 @@ def check_disaggregation(args: Any) -> None:
     if mode == "null":
         return
     if backend == "nixl":
-        raise ValueError("disaggregation_transfer_backend nixl: radixserve moves KV over zmq only so far "
-                         "(RDMA through NIXL needs a GPU and the nixl package); use zmq")
+        import importlib.util
+
+        if importlib.util.find_spec("nixl") is None:
+            raise ValueError("disaggregation_transfer_backend nixl needs the nixl package (pip install nixl, or "
+                             "nixl-cu12 / nixl-cu13 with --no-deps on a CPU machine); or use zmq")
     if args.tp_size != 1:
         raise ValueError("prefill-decode disaggregation moves a whole pool's KV rows: it needs tp_size 1")

@@ -9,11 +9,23 @@ prefill -> decode: ``KVData`` + the KV frame, or ``KVFail`` (the room cannot be 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from radixserve.ipc.messages import message
+
+
+@dataclass(frozen=True)
+class NixlTarget:
+    """Where a prefill worker writes a prompt's KV through NIXL (``nixl.py``): the decode
+    worker's agent (its NIXL metadata, base64), its pool planes' base addresses, the slots."""
+
+    agent: str
+    metadata: str
+    bases: list[int]
+    slots: list[int]
 
 
 @message("kv_want")
@@ -23,6 +35,7 @@ class KVWant:
     length: int  # the prompt's length
     digest: str  # of the prompt's token ids: both workers must hold the same prompt
     layout: str  # of the decode worker's KV pool (``pool_layout``): both must store alike
+    nixl: NixlTarget | None = None  # write the KV there through NIXL (else: send it on this socket)
 
 
 @message("kv_ack")
@@ -47,6 +60,7 @@ class KVData:
     top_logprobs: list[float] | None = None
     prefill_s: float = 0.0  # from the prefill worker's arrival of the request to this send
     sent_at: float = 0.0  # wall clock (time.time) just before the send: the wire time, on one host
+    written: bool = False  # the KV is in the decode worker's slots already (NIXL): no frame follows
 
 
 @message("kv_fail")
