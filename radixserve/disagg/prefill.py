@@ -156,9 +156,11 @@ class PrefillSide:
         for room, want in list(self.wants.items()):
             if room not in self.live and now - want.since > self.timeout_s:
                 del self.wants[room]  # its prefill request never came; the decode side times out
-        for room, closed in list(self.closed.items()):
-            if now - closed.since > self.timeout_s:
-                del self.closed[room]
+        while self.closed:  # oldest first: rooms close in time order
+            room, closed = next(iter(self.closed.items()))
+            if now - closed.since <= self.timeout_s:
+                break
+            del self.closed[room]
         return ended
 
     def _receive(self, peer: bytes, data: bytes) -> list[Ended]:
@@ -176,6 +178,7 @@ class PrefillSide:
             if msg.room in self.live:
                 return [self._end(msg.room, reason, 502)]
             self.wants.pop(msg.room, None)
+            self.closed.pop(msg.room, None)  # re-entered at the end: the dict stays in time order
             self.closed[msg.room] = _Closed(time.monotonic(), reason, 502, before_arrival=True)  # it may come
         return []
 

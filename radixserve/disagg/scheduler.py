@@ -94,10 +94,9 @@ class DisaggScheduler(Scheduler):
         return super().has_work or (side is not None and side.busy)
 
     @property
-    def only_compiling(self) -> bool:
-        """Also when the last step computed nothing while transfers are pending: the loop
-        waits a little for input instead of stepping empty."""
-        return super().only_compiling or self._idle_step
+    def nothing_to_run(self) -> bool:
+        """Also when the last step computed nothing while transfers are pending."""
+        return super().nothing_to_run or self._idle_step
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> Any:
@@ -155,6 +154,8 @@ class DisaggScheduler(Scheduler):
         far as the pool allows after the future tokens of the running requests and of the
         transfers in flight; then ask for the KV."""
         assert self.decode_side is not None
+        if not self.decode_side.queue:
+            return
         ahead = [*self.running, *(t.req for t in self.decode_side.inflight.values())]
         reserved = self.kv.pages_for(sum(reserve_tokens(r, self.new_token_ratio) for r in ahead))
         for req in list(self.decode_side.queue):

@@ -103,10 +103,9 @@ def bootstraps(host: Any, port: Any, room: Any, n: int, prompts: int | None = No
             columns.append([v for v in value for _ in range(n // groups)])
         else:
             raise InvalidRequestError(f"{len(value)} {name} values for {n} requests", param=name)
-    shared = [n > 1] * n if not isinstance(room, list) else [len(room) != n] * n
-    per = n if not isinstance(room, list) else n // groups  # requests sharing one room number
+    per = n if not isinstance(room, list) else n // len(room)  # requests sharing one room number
     return [None if r is None else Bootstrap(h or "", DEFAULT_BOOTSTRAP_PORT if p is None else p,
-                                             room_key(r, i % per if shared[i] else None))
+                                             room_key(r, i % per if per > 1 else None))
             for i, (h, p, r) in enumerate(zip(*columns, strict=True))]
 
 

@@ -173,8 +173,8 @@ class Scheduler(SchedulerControl):
         return bool(self.waiting or self.running or self.chunked or self._ended)
 
     @property
-    def only_compiling(self) -> bool:
-        """Nothing can run until a grammar finishes compiling (the loop may wait a little)."""
+    def nothing_to_run(self) -> bool:
+        """Nothing can run until a grammar compiles or a disk load lands: the loop may wait."""
         return (
             not self.running and self.chunked is None and not self._ended
             and all(self.kv.loading(r) or (r.grammar is None and r.grammar_future is not None)

@@ -57,7 +57,7 @@ def drive(sched: Any, on_step: Any = None, max_steps: int = 20_000) -> dict[str,
     for step in range(max_steps):
         if not sched.has_work:
             break
-        if sched.only_compiling:
+        if sched.nothing_to_run:
             futures = [r.grammar_future for r in sched.waiting]
             concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
         out = sched.step()

@@ -65,7 +65,7 @@ def run_until_idle(sched: Scheduler, max_steps: int = 10_000, on_step: Any = Non
         if budget == 0:
             raise RuntimeError("scheduler did not become idle")
         step += 1
-        if sched.only_compiling and waited < 120.0:
+        if sched.nothing_to_run and waited < 120.0:
             # as the process loop does: wait a little, then step (which polls the compile); such
             # steps are not counted, so a slow compile on a busy machine does not use them up
             time.sleep(0.005)
