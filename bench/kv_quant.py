@@ -6,9 +6,12 @@ set: the eight chat questions of ``bench/quant_accuracy.py`` and ``--long`` ques
 ``--doc-len``-token document (the KV error grows with the keys each query reads).  Each KV
 dtype in ``--kv-dtypes`` then, in a fresh engine:
 - decodes its own greedy tokens: ``identical`` is the share of positions where they equal the
-  reference's, ``first diff`` the mean position of the first difference;
+  reference's, ``first diff`` the mean position of the first difference, ``flip margin`` the
+  reference's top-1 minus top-2 logprob at each first difference (how near a tie it was);
 - scores the reference tokens teacher-forced (prompt + reference as the input):
-  ``mean / max |d logprob|`` against the model-dtype pool's own logprobs of them;
+  ``mean / max |d logprob|`` against the model-dtype pool's own logprobs of them, and
+  ``forced`` the share of reference positions whose argmax (given the reference's prefix) is
+  the reference token: a near-tie costs one position there, not every later one;
 - ``vs float32``: where a float32 run exists, the share of identical greedy tokens against the
   float32 model's (the bfloat16 model's own distance from float32 beside its 8-bit pools');
 - ``bytes/token`` is the pool's (every layer, K and V, scales included) and ``tokens per GiB``
@@ -38,7 +41,13 @@ from bench.common import (  # noqa: E402
     target_lines,
     write_report,
 )
-from bench.quant_accuracy import QUESTIONS, agreement, chat_prompts, run_engine  # noqa: E402
+from bench.quant_accuracy import (  # noqa: E402
+    QUESTIONS,
+    agreement,
+    chat_prompts,
+    margins_text,
+    run_engine,
+)
 from bench.workloads import TokenStream  # noqa: E402
 
 LONG_QUESTIONS = (
@@ -125,8 +134,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             float32_ids = ref["output_ids"]
         rows.append({"dtype": dtype, "kv_cache_dtype": "auto", "bytes_per_token": ref_bytes,
                      "tokens_per_gib": GIB // ref_bytes, "tokens_ratio": 1.0, "identical": 1.0,
-                     "first_diff_mean": float(args.tokens), "mean_abs_dlogprob": 0.0, "max_abs_dlogprob": 0.0,
-                     "output_ids": ref["output_ids"]})
+                     "first_diff_mean": float(args.tokens), "flip_margins": [],
+                     "identical_forced": agreement(ref, ref)["identical_forced"], "mean_abs_dlogprob": 0.0,
+                     "max_abs_dlogprob": 0.0, "output_ids": ref["output_ids"]})
         for kv in args.kv_dtypes:
             print(f"[{dtype} {kv}] ...", flush=True)
             got = run_engine(dict(base, kv_cache_dtype=kv), prompts, ref["output_ids"], args.tokens)
@@ -136,9 +146,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:
         r["identical_vs_float32"] = None if float32_ids is None else share_identical(float32_ids, r["output_ids"])
     header = ["dtype", "KV cache", "bytes/token", "tokens per GiB", "x tokens", "identical", "first diff",
-              "mean |d logprob|", "max |d logprob|", "vs float32"]
+              "forced", "flip margin", "mean |d logprob|", "max |d logprob|", "vs float32"]
     lines = [header] + [[r["dtype"], r["kv_cache_dtype"], str(r["bytes_per_token"]), str(r["tokens_per_gib"]),
                          f"{r['tokens_ratio']:.2f}", f"{r['identical']:.1%}", f"{r['first_diff_mean']:.1f}",
+                         f"{r['identical_forced']:.1%}", margins_text(r["flip_margins"]),
                          f"{r['mean_abs_dlogprob']:.4f}", f"{r['max_abs_dlogprob']:.4f}",
                          "-" if r["identical_vs_float32"] is None else f"{r['identical_vs_float32']:.1%}"]
                         for r in rows]
@@ -148,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         d = r["dtype"]
         checks.append(target(d, "int8 KV identical greedy tokens >=", r["identical"], TARGET_INT8_IDENTICAL, True))
+        checks.append(target(d, "int8 KV identical greedy tokens, teacher-forced >=", r["identical_forced"],
+                             TARGET_INT8_IDENTICAL, True))
         checks.append(target(d, "int8 KV mean |d logprob| <=", r["mean_abs_dlogprob"], TARGET_INT8_MEAN_DLOGPROB,
                              False))
         goal = TARGET_TOKENS_VS_F32 if d == "float32" else TARGET_TOKENS_VS_BF16

@@ -3,11 +3,14 @@
 For each of eight chat prompts the float32 model (``none``) decodes ``--tokens`` greedy tokens:
 the reference.  Each weight format in ``--quantizations`` then, in a fresh engine,
 - decodes its own greedy tokens: ``identical`` is the share of positions where they equal the
-  reference's (averaged over the prompts; after a first difference the texts usually part), and
-  ``first diff`` the mean position of the first difference (``--tokens`` where none);
+  reference's (averaged over the prompts; after a first difference the texts usually part),
+  ``first diff`` the mean position of the first difference (``--tokens`` where none), and
+  ``flip margin`` the reference's top-1 minus top-2 logprob at each first difference (how near
+  a tie it was);
 - scores the reference tokens teacher-forced (prompt + reference as the input, SGLang's
   ``input_token_logprobs``): ``mean / max |d logprob|`` against float32's own logprobs of them,
-  a measure that one near-tie does not decide.
+  a measure that one near-tie does not decide, and ``forced``, the share of reference
+  positions whose argmax (given the reference's prefix) is the reference token.
 ``weights MB`` is the bytes of the matmul weights as served.
 
     python bench/quant_accuracy.py                 # none, int8, int4, gguf
@@ -68,12 +71,16 @@ def run_engine(settings: dict[str, Any], prompts: list[list[int]], reference: li
         info = engine.info.to_dict()
         outs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
         scored = reference or outs
-        logprobs = []
+        logprobs, top_ids, margins = [], [], []
         for prompt, ref in zip(prompts, scored, strict=True):
             res = engine.generate(input_ids=prompt + ref, sampling_params={"max_new_tokens": 0},
-                                  return_logprob=True, logprob_start_len=len(prompt))
+                                  return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=2)
             logprobs.append([entry[0] for entry in res["meta_info"]["input_token_logprobs"]])
-    return {"info": info, "output_ids": outs, "reference_logprobs": logprobs}
+            tops = res["meta_info"]["input_top_logprobs"]
+            top_ids.append([t[0][1] for t in tops])
+            margins.append([t[0][0] - t[1][0] for t in tops])
+    return {"info": info, "output_ids": outs, "reference_logprobs": logprobs, "top_ids": top_ids,
+            "margins": margins}
 
 
 def agreement(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
@@ -84,9 +91,21 @@ def agreement(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
              for x, y in zip(ref["output_ids"], got["output_ids"], strict=True)]
     deltas = [abs(a - b) for xs, ys in zip(ref["reference_logprobs"], got["reference_logprobs"], strict=True)
               for a, b in zip(xs, ys, strict=True)]
+    # Teacher-forced: at each position of the reference, given the reference's prefix, does the
+    # argmax equal the reference token?  One near-tie costs one position here, not the rest.
+    forced = [sum(a == b for a, b in zip(x, y, strict=True)) / len(x)
+              for x, y in zip(ref["output_ids"], got["top_ids"], strict=True)]
+    # How near a tie each first difference was: the reference's top-1 minus top-2 logprob there.
+    flip_margins = [ref["margins"][i][f] for i, f in enumerate(first) if f < len(ref["output_ids"][i])]
     return {"identical": sum(same) / len(same), "identical_per_prompt": same,
-            "first_diff_mean": sum(first) / len(first), "mean_abs_dlogprob": sum(deltas) / len(deltas),
+            "first_diff_mean": sum(first) / len(first), "identical_forced": sum(forced) / len(forced),
+            "flip_margins": flip_margins, "mean_abs_dlogprob": sum(deltas) / len(deltas),
             "max_abs_dlogprob": max(deltas), "output_ids": got["output_ids"]}
+
+
+def margins_text(margins: list[float]) -> str:
+    """The flip margins of a row, for the table ("-" where no prompt parted)."""
+    return " ".join(f"{m:.3f}" for m in sorted(margins)) or "-"
 
 
 def chat_prompts(tokenizer: Any, questions: Sequence[str]) -> list[list[int]]:
@@ -112,8 +131,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"[{quant}] ...", flush=True)
         got = run_engine(dict(base, quantization=quant), prompts, ref["output_ids"], args.tokens)
         rows.append({"quantization": quant, "served_as": got["info"]["quantization"], **agreement(ref, got)})
-    header = ["weights", "served as", "identical", "first diff", "mean |d logprob|", "max |d logprob|"]
+    header = ["weights", "served as", "identical", "first diff", "forced", "flip margin", "mean |d logprob|",
+              "max |d logprob|"]
     lines = [header] + [[r["quantization"], r["served_as"], f"{r['identical']:.0%}", f"{r['first_diff_mean']:.1f}",
+                         f"{r['identical_forced']:.1%}", margins_text(r["flip_margins"]),
                          f"{r['mean_abs_dlogprob']:.4f}", f"{r['max_abs_dlogprob']:.4f}"] for r in rows]
     print()
     print(align_columns(lines, left={0, 1}))

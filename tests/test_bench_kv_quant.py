@@ -21,3 +21,9 @@ def test_kv_quant_report(tmp_path, default_model_path) -> None:
     # A 256-token document makes the long prompt the longest.
     assert max(report["prompt_tokens"]) > 256
     assert {t["target"] for t in report["targets"]} >= {"int8 KV identical greedy tokens >="}
+    # Teacher-forced agreement and the flip margins: one margin (top-1 minus top-2 logprob, so
+    # never negative) per prompt whose free-running tokens parted from the reference's.
+    got = rows["int8"]
+    parted = [i for i, (a, b) in enumerate(zip(rows["auto"]["output_ids"], got["output_ids"], strict=True)) if a != b]
+    assert len(got["flip_margins"]) == len(parted) and all(m >= 0 for m in got["flip_margins"])
+    assert 0.0 <= got["identical_forced"] <= 1.0
