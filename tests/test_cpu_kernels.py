@@ -86,6 +86,29 @@ def test_silu_mul(dtype: torch.dtype) -> None:
     _close(OPS.silu_mul(gate_up), F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_store_kv_writes_the_rows_at_their_slots(dtype: torch.dtype, tokens: int) -> None:
+    """A decode step's row and a prompt's rows (shared out over the threads), from the strided
+    k/v views of a fused q/k/v output; every other slot keeps its bytes."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv, dim, num_slots = 6, 2, 16, 512
+    qkv = torch.randn((tokens, (heads + 2 * kv) * dim), generator=gen).to(dtype)
+    k = qkv[:, heads * dim:(heads + kv) * dim].view(tokens, kv, dim)
+    v = qkv[:, (heads + kv) * dim:].view(tokens, kv, dim)
+    k_pool = torch.randn((num_slots, kv, dim), generator=gen).to(dtype)
+    v_pool = torch.randn((num_slots, kv, dim), generator=gen).to(dtype)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    want_k[slots], want_v[slots] = k, v
+    OPS.store_kv(k, v, k_pool, v_pool, slots)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        OPS.store_kv(k, v, k_pool, v_pool, torch.full((tokens,), num_slots))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        OPS.store_kv(k, v, k_pool.to(torch.float64), v_pool.to(torch.float64), slots)
+
+
 def test_bad_shapes_are_clear_errors() -> None:
     with pytest.raises(RuntimeError, match="weight must be"):
         OPS.rms_norm(torch.ones(3, 8), torch.ones(7), 1e-6)

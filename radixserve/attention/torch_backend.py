@@ -67,10 +67,13 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool = fb.kv_pool
         k_scale, v_scale = pool.get_scales(layer.layer_id)
-        if pool.quantized and self._kernel is not None and fb.device.type == "cpu":
-            k_pool, v_pool = pool.get_kv(layer.layer_id)
+        k_pool, v_pool = pool.get_kv(layer.layer_id)
+        native = self._kernel is not None and fb.device.type == "cpu"
+        if native and pool.quantized:
             self._kernel.store_kv_quant(k, v, k_pool, v_pool, _or_empty(k_scale), _or_empty(v_scale),
                                         fb.out_cache_loc, pool.rotated)
+        elif native and k.dtype == k_pool.dtype:
+            self._kernel.store_kv(k, v, k_pool, v_pool, fb.out_cache_loc)
         else:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         plan = fb.attn_metadata
@@ -82,7 +85,6 @@ class TorchAttentionBackend(AttentionBackend):
             plan = fb.attn_metadata
         if not isinstance(plan, KernelPlan):
             return self._gather.forward(q, k, v, layer, fb)
-        k_pool, v_pool = pool.get_kv(layer.layer_id)
         out = self._kernel.paged_attention(
             q.contiguous(), k_pool, v_pool, _or_empty(k_scale), _or_empty(v_scale), fb.req_to_token,
             *plan.args(), layer.scaling, pool.rotated

@@ -11,6 +11,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                               at::Tensor entry_row, at::Tensor entry_limit,
                               at::Tensor row_entry_ptr, at::Tensor row_entries,
                               double scaling, bool rotated);
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots);
 void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
                     at::Tensor v_scale, at::Tensor slots, bool rotated);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
@@ -27,6 +28,7 @@ int64_t vector_width();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over the KV pool");
+  m.def("store_kv", &store_kv, "Write K/V rows into a pool of their dtype at slots");
   m.def("store_kv_quant", &store_kv_quant, "Write K/V rows into an int8 (with scales) or fp8 pool at slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place), then RMSNorm of it");
