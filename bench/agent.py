@@ -47,7 +47,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
-from bench.common import align_columns, args_params, cpu_kind, machine_info, write_report  # noqa: E402
+from bench.common import (  # noqa: E402
+    align_columns,
+    args_params,
+    cpu_kind,
+    machine_info,
+    weight_settings,
+    write_report,
+)
 from bench.workloads import TokenStream  # noqa: E402
 
 TOOLS = [
@@ -86,7 +93,8 @@ def check_loop_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_loop_args(p)
-    p.add_argument("--quantizations", default="none,int8,int4,gguf", help="comma list of --quantization values")
+    p.add_argument("--quantizations", default="none,int8,int4,gguf",
+                   help="comma list of --quantization values (+a8: with --int8-activations, e.g. gguf+a8)")
     p.add_argument("--modes", default="greedy,sampled", help=f"comma list of {sorted(MODES)}")
     p.add_argument("--speculative", default="none,ngram", help="comma list: none, ngram")
     p.add_argument("--dtype", default="float32")
@@ -246,14 +254,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"cpu: {kind['cpu_model']} ({kind['cpu_kind']}); memory bandwidth {bandwidth:.1f} GB/s (copy)")
     rows: list[dict[str, Any]] = []
     for quant in args.quantizations:
-        step_bytes = weight_bytes_per_step(model_path, args.dtype, quant)
+        step_bytes = weight_bytes_per_step(model_path, args.dtype, weight_settings(quant)["quantization"])
         for mode in args.modes:
             for spec in args.speculative:
                 name = f"[{quant} {mode} spec={spec}]"
                 print(f"{name} ...", flush=True)
                 params = {**MODES[mode], "max_new_tokens": args.output_len, "ignore_eos": True}
                 algorithm = None if spec == "none" else spec
-                with Engine(dtype=args.dtype, quantization=quant, speculative_algorithm=algorithm) as engine:
+                with Engine(dtype=args.dtype, speculative_algorithm=algorithm, **weight_settings(quant)) as engine:
                     system, users = conversation(engine.tokenizer, args)
                     engine.generate("warm-up", {"max_new_tokens": 2})
                     before = engine.get_stats()

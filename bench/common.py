@@ -93,6 +93,16 @@ def align_columns(lines: Sequence[Sequence[str]], left: Container[int] = ()) -> 
     )
 
 
+def weight_settings(spec: str) -> dict[str, Any]:
+    """Engine settings of a weight format named in a benchmark's ``--quantizations``: a
+    ``--quantization`` value, with ``+a8`` for int8 activations (``gguf+a8``: the GGUF's 4-bit
+    blocks times activations quantized to int8, ``--int8-activations``)."""
+    quant, plus, extra = spec.partition("+")
+    if plus and extra != "a8":
+        raise ValueError(f"weight format {spec!r}: the only suffix is +a8 (int8 activations)")
+    return {"quantization": quant, "int8_activations": bool(plus)}
+
+
 def write_json(data: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2) + "\n")

@@ -8,7 +8,8 @@ the reference.  Each weight format in ``--quantizations`` then, in a fresh engin
   ``flip margin`` the reference's top-1 minus top-2 logprob at each first difference (how near
   a tie it was);
 - scores the reference tokens teacher-forced (prompt + reference as the input, SGLang's
-  ``input_token_logprobs``): ``mean / max |d logprob|`` against float32's own logprobs of them,
+  ``input_token_logprobs``; with int8 activations one position at a time, each a one-row step,
+  since a prefill's rows do not take that path): ``mean / max |d logprob|`` against float32's own logprobs of them,
   a measure that one near-tie does not decide, and ``forced``, the share of reference
   positions whose argmax (given the reference's prefix) is the reference token.
 ``weights MB`` is the bytes of the matmul weights as served.
@@ -29,7 +30,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
     sys.path.insert(0, str(REPO))
 
-from bench.common import align_columns, args_params, cpu_kind, machine_info, write_report  # noqa: E402
+from bench.common import (  # noqa: E402
+    align_columns,
+    args_params,
+    cpu_kind,
+    machine_info,
+    weight_settings,
+    write_report,
+)
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -45,7 +53,8 @@ QUESTIONS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quantizations", default="int8,int4,gguf", help="comma list, compared with none")
+    p.add_argument("--quantizations", default="int8,int4,gguf",
+                   help="comma list, compared with none (+a8: with --int8-activations, e.g. gguf+a8)")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quick", action="store_true", help="two prompts, 8 tokens")
@@ -71,16 +80,40 @@ def run_engine(settings: dict[str, Any], prompts: list[list[int]], reference: li
         info = engine.info.to_dict()
         outs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
         scored = reference or outs
-        logprobs, top_ids, margins = [], [], []
-        for prompt, ref in zip(prompts, scored, strict=True):
-            res = engine.generate(input_ids=prompt + ref, sampling_params={"max_new_tokens": 0},
-                                  return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=2)
-            logprobs.append([entry[0] for entry in res["meta_info"]["input_token_logprobs"]])
-            tops = res["meta_info"]["input_top_logprobs"]
-            top_ids.append([t[0][1] for t in tops])
-            margins.append([t[0][0] - t[1][0] for t in tops])
-    return {"info": info, "output_ids": outs, "reference_logprobs": logprobs, "top_ids": top_ids,
-            "margins": margins}
+        score = score_stepwise if settings.get("int8_activations") else score_prefill
+        scores = [score(engine, prompt, ref) for prompt, ref in zip(prompts, scored, strict=True)]
+    return {"info": info, "output_ids": outs, "reference_logprobs": [s[0] for s in scores],
+            "top_ids": [s[1] for s in scores], "margins": [s[2] for s in scores]}
+
+
+def score_prefill(engine: Any, prompt: list[int], ref: list[int]) -> tuple[list[float], list[int], list[float]]:
+    """The logprob of each token of ``ref`` after ``prompt`` and what precedes it in ``ref``, the
+    argmax there and its margin over the second, in one prefill of ``prompt + ref``."""
+    res = engine.generate(input_ids=prompt + ref, sampling_params={"max_new_tokens": 0},
+                          return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=2)
+    tops = res["meta_info"]["input_top_logprobs"]
+    return ([entry[0] for entry in res["meta_info"]["input_token_logprobs"]], [t[0][1] for t in tops],
+            [t[0][0] - t[1][0] for t in tops])
+
+
+STEPWISE_TOP = 20
+
+
+def score_stepwise(engine: Any, prompt: list[int], ref: list[int]) -> tuple[list[float], list[int], list[float]]:
+    """As :func:`score_prefill`, one position at a time: each call's prefix is in the radix cache
+    but for its last token, so the logits come from a one-row step, the decode path (int8
+    activations change only that path; a prefill's rows run the float matmul).  A reference token
+    outside the step's top :data:`STEPWISE_TOP` counts with the last of them (a bound)."""
+    logprobs, top_ids, margins = [], [], []
+    for j in range(len(ref)):
+        res = engine.generate(input_ids=prompt + ref[:j], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                              return_logprob=True, top_logprobs_num=STEPWISE_TOP)
+        tops = res["meta_info"]["output_top_logprobs"][0]
+        by_id = {t[1]: t[0] for t in tops}
+        logprobs.append(by_id.get(ref[j], tops[-1][0]))
+        top_ids.append(tops[0][1])
+        margins.append(tops[0][0] - tops[1][0])
+    return logprobs, top_ids, margins
 
 
 def agreement(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for quant in args.quantizations:
         print(f"[{quant}] ...", flush=True)
-        got = run_engine(dict(base, quantization=quant), prompts, ref["output_ids"], args.tokens)
+        got = run_engine(dict(base, **weight_settings(quant)), prompts, ref["output_ids"], args.tokens)
         rows.append({"quantization": quant, "served_as": got["info"]["quantization"], **agreement(ref, got)})
     header = ["weights", "served as", "identical", "first diff", "forced", "flip margin", "mean |d logprob|",
               "max |d logprob|"]

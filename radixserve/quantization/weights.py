@@ -144,6 +144,7 @@ class Int4Weight(QuantizedWeight):
         self.d = d.to(torch.float16).float().contiguous()
         self.m = m.to(torch.float16).float().contiguous()
         self.dtype, self.shape = dtype, torch.Size((n, k))
+        self.int8_activations = False  # kernel rows through int4_linear_q8 (quantize_model sets it)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
@@ -169,7 +170,8 @@ class Int4Weight(QuantizedWeight):
         cpu_ext.load().int4_dequant_(self.qs, self.d, self.m, out)
 
     def kernel_matmul(self, ops: object, x: torch.Tensor) -> torch.Tensor:
-        return ops.int4_linear(x, self.qs, self.d, self.m)
+        kernel = ops.int4_linear_q8 if self.int8_activations else ops.int4_linear
+        return kernel(x, self.qs, self.d, self.m)
 
     def rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         qs, d, m = (self.qs, self.d, self.m) if ids is None else (self.qs[ids], self.d[ids], self.m[ids])

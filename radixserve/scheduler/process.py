@@ -178,7 +178,8 @@ def _start(args: ServerArgs, model_path: str, folder: str) -> tuple[Any, m.Model
         tp = init_group(0, args.tp_size, folder, rank_device(args.device, 0))
     loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp,
                         load_format=args.load_format, quantization=args.quantization,
-                        gguf_path=gguf_source(args.model) if args.quantization == "gguf" else None)
+                        gguf_path=gguf_source(args.model) if args.quantization == "gguf" else None,
+                        int8_activations=args.int8_activations)
     kind = Scheduler if args.disaggregation_mode == "null" else DisaggScheduler
     sched = kind(args, loaded.model, loaded.config, None)
     # Stop strings only decode (the tokenizers library, milliseconds); grammars need the

@@ -1,0 +1,122 @@
+"""``--int8-activations``: decode rows through 4-bit weights with x quantized to int8 per block
+of 32 (``int4_linear_q8``, AVX-512 VNNI dot products).  The kernel against a float64 reference
+of the same arithmetic, its error against the exact product, the settings that refuse it, and
+the real server processes with it on.  Where the kernels were built without AVX-512 VNNI the
+kernel's tests do not apply (the setting is refused there, which is tested everywhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import cpu_ext
+from radixserve.config import ServerArgs
+from radixserve.quantization import BLOCK4, KERNEL_MAX_ROWS, Int4Weight, quantize_model
+
+OPS = cpu_ext.load()
+VNNI = OPS is not None and OPS.int4_q8_supported()
+needs_vnni = pytest.mark.skipif(not VNNI, reason="the CPU kernels were built without AVX-512 VNNI")
+
+
+def _q8_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """float64: xq = round(x / dx) per 32 with dx = amax / 127, then d dx sum (q - 8) xq + (m + 8 d) sum x."""
+    m, k = x.shape
+    xb = x.float().view(m, k // BLOCK4, BLOCK4)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv).double()
+    n = w.qs.shape[0]
+    halves = w.qs.view(n, -1, BLOCK4 // 2)
+    q = torch.cat([halves & 15, halves >> 4], dim=2).double() - 8
+    sums = torch.einsum("mbk,nbk->mnb", xq, q)
+    dx = (amax / 127).double()[:, None, :, 0]
+    centre = (w.m + 8 * w.d).double()
+    return (sums * w.d.double()[None] * dx).sum(-1) + (centre[None] * xb.sum(-1).double()[:, None, :]).sum(-1)
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("n, blocks", [(5, 1), (13, 2), (130, 18), (7, 7), (64, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_is_the_q8_arithmetic(rows: int, n: int, blocks: int, dtype: torch.dtype) -> None:
+    """Every group tail (1-3 blocks past the last whole four), output-row tail and row pair."""
+    gen = torch.Generator().manual_seed(rows * 100 + blocks)
+    w = Int4Weight.quantize(torch.randn((n, blocks * BLOCK4), generator=gen) * 0.05)
+    x = torch.randn((rows, blocks * BLOCK4), generator=gen).to(dtype)
+    if x.numel() > BLOCK4:
+        x[0, :BLOCK4] = 0  # an all-zero block: scale 0, no division by it
+    got = OPS.int4_linear_q8(x, w.qs, w.d, w.m)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    want = _q8_reference(x, w)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    # Against the exact product of the 4-bit weights: an error, small, never zero.
+    exact = x.double() @ w.dequantized(torch.float32).double().T
+    err = float((OPS.int4_linear_q8(x.float(), w.qs, w.d, w.m).double() - exact).norm() / exact.norm())
+    assert 1e-4 < err < 3e-2
+
+
+@needs_vnni
+def test_only_kernel_rows_take_int8_activations() -> None:
+    """A decode step's rows go through int4_linear_q8; a prefill's rows stay on the exact
+    dequantized matmul."""
+    gen = torch.Generator().manual_seed(5)
+    w = Int4Weight.quantize(torch.randn((40, 4 * BLOCK4), generator=gen) * 0.05)
+    few, many = (torch.randn((r, 4 * BLOCK4), generator=gen) for r in (3, KERNEL_MAX_ROWS + 5))
+    w.int8_activations = True
+    assert torch.equal(w.matmul(few), OPS.int4_linear_q8(few, w.qs, w.d, w.m))
+    assert not torch.equal(w.matmul(few), OPS.int4_linear(few, w.qs, w.d, w.m))
+    torch.testing.assert_close(w.matmul(many).double(), many.double() @ w.dequantized(torch.float32).double().T,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_settings_refuse_it_without_4bit_weights(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="int8_activations multiplies 4-bit weights"):
+        ServerArgs(model=tiny_model_dir("llama"), quantization="int8", int8_activations=True).resolve()
+    with pytest.raises(ValueError, match="int8_activations multiplies 4-bit weights"):
+        ServerArgs(model=tiny_model_dir("llama"), quantization="auto", int8_activations=True).resolve()
+    from radixserve.model.loader import load_model
+
+    model = load_model(tiny_model_dir("llama"), torch.float32).model
+    with pytest.raises(ValueError, match="int8_activations needs 4-bit weights"):
+        quantize_model(model, "int8", None, int8_activations=True)
+
+
+def test_no_kernels_or_no_vnni_refuses_it(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU kernels did not build (no compiler; the loader's settled answer is then
+    None) or were built without AVX-512 VNNI, the load refuses instead of running another path."""
+    from radixserve.model.loader import load_model
+
+    model = load_model(tiny_model_dir("llama"), torch.float32).model
+    if not VNNI:
+        with pytest.raises(ValueError, match="AVX-512 VNNI.*built without it"):
+            quantize_model(model, "int4", None, int8_activations=True)
+    monkeypatch.setitem(cpu_ext._loaded, "mod", None)
+    with pytest.raises(ValueError, match="AVX-512 VNNI.*did not build"):
+        quantize_model(model, "int4", None, int8_activations=True)
+
+
+@needs_vnni
+def test_the_default_model_through_the_engine(default_model_path: str) -> None:
+    """The real server processes with int8 activations: the 4-bit layers marked, greedy text that
+    starts as float32's (a near tie later may part them), and the KV memory back to free."""
+    from radixserve.engine import Engine
+
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    params = {"max_new_tokens": 8, "temperature": 0}
+    with Engine(int8_activations=True, dtype="float32", max_total_tokens=4096) as engine:
+        out = engine.generate(prompt, params)
+        assert engine.info.quantization == "gguf"
+        report = engine.check_memory()
+        assert report["ok"] and report["locked_tokens"] == 0 and report["request_pages"] == 0, report
+    assert out["text"].startswith("The capital of France is Paris")
+
+
+def test_benchmarks_name_it_with_a_suffix() -> None:
+    """bench/agent.py and bench/quant_accuracy.py take ``gguf+a8`` in ``--quantizations``."""
+    from bench.common import weight_settings
+
+    assert weight_settings("gguf+a8") == {"quantization": "gguf", "int8_activations": True}
+    assert weight_settings("int8") == {"quantization": "int8", "int8_activations": False}
+    with pytest.raises(ValueError, match=r"\+a8"):
+        weight_settings("gguf+a4")
