@@ -19,6 +19,7 @@ from radixserve.ipc.kv_events import KVEventsConfig
 
 # Weight formats of --quantization (radixserve/quantization/).
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
+INT8_ACTIVATION_MODES = ("int4", "gguf", "int8")  # the formats --int8-activations multiplies
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")  # scheduler/policy.py
@@ -146,8 +147,8 @@ class ServerArgs:
         "Q4_0/Q4_1/Q8_0 tensors as stored: the weights float32 computes with); auto (gguf "
         "where the model has such tensors, else none)")
     int8_activations: bool = setting(
-        False, "decode rows through 4-bit weights (int4, gguf) with activations quantized to int8 per 32, "
-        "as llama.cpp's Q4 x Q8 dot products: ~1.6x faster matmuls where the CPU has AVX-512 VNNI, not exact")
+        False, "decode rows through quantized weights (int4, gguf, int8) with activations quantized to int8 per 32, "
+        "as llama.cpp's Q4 x Q8 dot products: ~1.5x faster matmuls where the CPU has AVX-512 VNNI, not exact")
     speculative_algorithm: str | None = setting(
         None,
         "speculative decoding: ngram (drafts from the radix tree and the request's own "
@@ -372,8 +373,8 @@ class ServerArgs:
         if quantization == "gguf" and source is None:
             raise ValueError(f"quantization gguf serves a .gguf model's own blocks; {self.model!r} is not a "
                              ".gguf file (int8 or int4 quantize a float checkpoint)")
-        if self.int8_activations and quantization not in ("int4", "gguf"):
-            raise ValueError(f"int8_activations multiplies 4-bit weights (quantization int4 or gguf), not {quantization}")
+        if self.int8_activations and quantization not in INT8_ACTIVATION_MODES:
+            raise ValueError(f"int8_activations multiplies quantized weights (int4, gguf, int8), not {quantization}")
         return dataclasses.replace(
             self,
             device=device,

@@ -1,5 +1,5 @@
-"""``--int8-activations``: decode rows through 4-bit weights with x quantized to int8 per block
-of 32 (``int4_linear_q8``, AVX-512 VNNI dot products).  The kernel against a float64 reference
+"""``--int8-activations``: decode rows through quantized weights with x quantized to int8 per
+block of 32 (``int4_linear_q8`` / ``int8_linear_q8``, AVX-512 VNNI dot products).  The kernel against a float64 reference
 of the same arithmetic, its error against the exact product, the settings that refuse it, and
 the real server processes with it on.  Where the kernels were built without AVX-512 VNNI the
 kernel's tests do not apply (the setting is refused there, which is tested everywhere)."""
@@ -11,31 +11,36 @@ import torch
 
 from radixserve import cpu_ext
 from radixserve.config import ServerArgs
-from radixserve.quantization import BLOCK4, KERNEL_MAX_ROWS, Int4Weight, quantize_model
+from radixserve.quantization import BLOCK4, KERNEL_MAX_ROWS, Int4Weight, Int8Weight, quantize_model
 
 OPS = cpu_ext.load()
-VNNI = OPS is not None and OPS.int4_q8_supported()
+VNNI = OPS is not None and OPS.q8_supported()
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the CPU kernels were built without AVX-512 VNNI")
 
 
-def _q8_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """float64: xq = round(x / dx) per 32 with dx = amax / 127, then d dx sum (q - 8) xq + (m + 8 d) sum x."""
+def _q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, centre: torch.Tensor | None) -> torch.Tensor:
+    """float64: xq = round(x / dx) per block of 32 with dx = amax / 127, then per block scale dx
+    sum q xq (+ centre sum x); ``q`` [N, K] as the kernel multiplies it (a 4-bit one less 8)."""
     m, k = x.shape
     xb = x.float().view(m, k // BLOCK4, BLOCK4)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    xq = torch.round(xb * inv).double()
-    n = w.qs.shape[0]
-    halves = w.qs.view(n, -1, BLOCK4 // 2)
-    q = torch.cat([halves & 15, halves >> 4], dim=2).double() - 8
-    sums = torch.einsum("mbk,nbk->mnb", xq, q)
-    dx = (amax / 127).double()[:, None, :, 0]
-    centre = (w.m + 8 * w.d).double()
-    return (sums * w.d.double()[None] * dx).sum(-1) + (centre[None] * xb.sum(-1).double()[:, None, :]).sum(-1)
+    xq = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).double()
+    sums = torch.einsum("mbk,nbk->mnb", xq, q.double().view(q.shape[0], -1, BLOCK4))
+    out = (sums * scale.double()[None] * (amax / 127).double()[:, None, :, 0]).sum(-1)
+    if centre is not None:
+        out += (centre.double()[None] * xb.sum(-1).double()[:, None, :]).sum(-1)
+    return out
+
+
+def _q8_int4_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """d dx sum (q - 8) xq + (m + 8 d) sum x."""
+    halves = w.qs.view(w.qs.shape[0], -1, BLOCK4 // 2)
+    q = torch.cat([halves & 15, halves >> 4], dim=2).view(w.qs.shape[0], -1).double() - 8
+    return _q8_reference(x, q, w.d, w.m + 8 * w.d)
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("n, blocks", [(5, 1), (13, 2), (130, 18), (7, 7), (64, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_is_the_q8_arithmetic(rows: int, n: int, blocks: int, dtype: torch.dtype) -> None:
@@ -47,13 +52,32 @@ def test_kernel_is_the_q8_arithmetic(rows: int, n: int, blocks: int, dtype: torc
         x[0, :BLOCK4] = 0  # an all-zero block: scale 0, no division by it
     got = OPS.int4_linear_q8(x, w.qs, w.d, w.m)
     assert got.shape == (rows, n) and got.dtype == dtype
-    want = _q8_reference(x, w)
+    want = _q8_int4_reference(x, w)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
     # Against the exact product of the 4-bit weights: an error, small, never zero.
     exact = x.double() @ w.dequantized(torch.float32).double().T
     err = float((OPS.int4_linear_q8(x.float(), w.qs, w.d, w.m).double() - exact).norm() / exact.norm())
     assert 1e-4 < err < 3e-2
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 3, 6, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("n, blocks", [(5, 1), (13, 2), (130, 18), (7, 7)])
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_int8_kernel_is_the_q8_arithmetic(rows: int, n: int, blocks: int, asymmetric: bool) -> None:
+    """Int8 groups of 32: a GGUF's Q8_0 (symmetric) and --quantization int8 (with offsets)."""
+    gen = torch.Generator().manual_seed(rows * 10 + blocks)
+    w = Int8Weight.quantize(torch.randn((n, blocks * BLOCK4), generator=gen) * 0.05, BLOCK4, asymmetric=asymmetric)
+    x = torch.randn((rows, blocks * BLOCK4), generator=gen)
+    got = OPS.int8_linear_q8(x, w.q, w.scale, w.offset if asymmetric else torch.empty(0))
+    torch.testing.assert_close(got.double(), _q8_reference(x, w.q, w.scale, w.offset), rtol=1e-5, atol=1e-5)
+    exact = x.double() @ w.dequantized(torch.float32).double().T
+    err = float((got.double() - exact).norm() / exact.norm())
+    assert 1e-4 < err < 3e-2
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        wide = Int8Weight.quantize(torch.randn((n, 64), generator=gen), 64)
+        OPS.int8_linear_q8(torch.randn((rows, 64)), wide.q, wide.scale, torch.empty(0))
 
 
 @needs_vnni
@@ -70,16 +94,30 @@ def test_only_kernel_rows_take_int8_activations() -> None:
                                rtol=1e-5, atol=1e-5)
 
 
-def test_settings_refuse_it_without_4bit_weights(tiny_model_dir) -> None:
-    with pytest.raises(ValueError, match="int8_activations multiplies 4-bit weights"):
-        ServerArgs(model=tiny_model_dir("llama"), quantization="int8", int8_activations=True).resolve()
-    with pytest.raises(ValueError, match="int8_activations multiplies 4-bit weights"):
+def test_settings_refuse_it_without_quantized_weights(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="int8_activations multiplies quantized weights"):
+        ServerArgs(model=tiny_model_dir("llama"), quantization="none", int8_activations=True).resolve()
+    with pytest.raises(ValueError, match="int8_activations multiplies quantized weights"):
         ServerArgs(model=tiny_model_dir("llama"), quantization="auto", int8_activations=True).resolve()
     from radixserve.model.loader import load_model
 
     model = load_model(tiny_model_dir("llama"), torch.float32).model
-    with pytest.raises(ValueError, match="int8_activations needs 4-bit weights"):
-        quantize_model(model, "int8", None, int8_activations=True)
+    with pytest.raises(ValueError, match="int8_activations needs quantized weights"):
+        quantize_model(model, "none", None, int8_activations=True)
+
+
+@needs_vnni
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_every_quantized_layer_takes_it(tiny_model_dir, mode: str) -> None:
+    """int4: the 4-bit layers and the int8 LM head; int8: every layer (groups of 32)."""
+    from radixserve.model.loader import load_model
+
+    model = load_model(tiny_model_dir("llama"), torch.float32).model
+    quantize_model(model, mode, None, int8_activations=True)
+    weights = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), (Int4Weight, Int8Weight))]
+    assert len(weights) == 4 * model.config.num_layers + 1
+    assert all(w.int8_activations for w in weights)
+    assert isinstance(model.lm_head.weight, Int8Weight)
 
 
 def test_no_kernels_or_no_vnni_refuses_it(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,8 +136,8 @@ def test_no_kernels_or_no_vnni_refuses_it(tiny_model_dir, monkeypatch: pytest.Mo
 
 @needs_vnni
 def test_the_default_model_through_the_engine(default_model_path: str) -> None:
-    """The real server processes with int8 activations: the 4-bit layers marked, greedy text that
-    starts as float32's (a near tie later may part them), and the KV memory back to free."""
+    """The real server processes with int8 activations: greedy text that starts as float32's (a
+    near tie later may part them), and the KV memory back to free."""
     from radixserve.engine import Engine
 
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

@@ -223,17 +223,19 @@ void int4_rows(const float* x, const uint8_t* qs, const float* d, const float* m
   }
 }
 
-// 4-bit weights times int8 activations (--int8-activations; AVX-512 VNNI), as llama.cpp's Q4 x
-// Q8 dot products.  Each row of x is quantized once per call, per block of 32: xq = round(x /
-// dx), dx = amax / 127.  Then sum_k (d q_k + m) x_k ~= d dx sum_k (q_k - 8) xq_k + (m + 8 d)
-// sum_k x_k: the integer sums by VPDPBUSD (64 products of unsigned and signed bytes per
-// instruction: xq + 128 and q - 8, less 128 sum (q - 8)), the second term with the exact sum of
-// x.  Centring q halves the error of llama.cpp's Q4_1 form (d dx sum q xq + m dx sum xq), where
-// the two terms cancel: mean |d logprob| of the default model's float32 greedy tokens 0.056 ->
-// 0.027, teacher-forced argmax 94.5% -> 98.4% of the positions (bench/quant_accuracy.py).  Blocks go four at a time: 64 bytes of nibbles hold their low halves
-// (weights 0-15 of each block, byte j & 15) and high halves (16-31, byte j >> 4); x is laid out
-// to match, per group of four blocks 64 bytes of the low halves' xq then 64 of the high ones',
-// so that 32-bit lane i of the sums belongs to block i / 4.
+// Quantized weights times int8 activations (--int8-activations; AVX-512 VNNI), as llama.cpp's
+// Q4 x Q8 and Q8 x Q8 dot products.  Each row of x is quantized once per call, per block of 32:
+// xq = round(x / dx), dx = amax / 127.  Then for 4-bit blocks sum_k (d q_k + m) x_k ~= d dx
+// sum_k (q_k - 8) xq_k + (m + 8 d) sum_k x_k, and for int8 groups of 32 sum_k (s q_k + o) x_k ~=
+// s dx sum_k q_k xq_k + o sum_k x_k: the integer sums by VPDPBUSD (64 products of unsigned and
+// signed bytes per instruction: xq + 128 and the weight, less 128 sum of the weight), the offset
+// term with the exact sum of x.  Centring q halves the error of llama.cpp's Q4_1 form (d dx sum
+// q xq + m dx sum xq), where the two terms cancel: on the default model in float32 the
+// teacher-forced argmax went from 94.5% to 98.4% of the positions, mean |d logprob| from 0.056
+// to 0.027 (bench/quant_accuracy.py, with the Q8_0 head on the float kernel then).  Blocks go
+// four at a time: x is laid out per group of four blocks as 64 bytes of their low halves' xq
+// (weights 0-15 of each) then 64 of the high ones' (16-31), the nibbles' order (byte j & 15,
+// byte j >> 4), so that 32-bit lane i of the sums belongs to block i / 4.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define RADIXSERVE_Q8_DOT 1
 constexpr int G4 = 4;  // blocks per group
@@ -250,20 +252,21 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
   row.xq.assign(groups * 128, 128);
   row.dx.assign(groups * 16, 0.f);
   row.sx.assign(groups * 16, 0.f);
+  const __m512i bias = _mm512_set1_epi32(128);
   for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * BLOCK4;
-    float amax = 0.f, sum = 0.f;
-    for (int k = 0; k < BLOCK4; ++k) {
-      amax = std::max(amax, std::fabs(xb[k]));
-      sum += xb[k];
-    }
+    const __m512 a0 = _mm512_loadu_ps(x + b * BLOCK4), a1 = _mm512_loadu_ps(x + b * BLOCK4 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
     const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     const int64_t g = b / G4, i = b % G4;
     uint8_t* lo = row.xq.data() + g * 128 + i * 16;
-    for (int k = 0; k < 16; ++k) {
-      lo[k] = static_cast<uint8_t>(128 + static_cast<int>(std::nearbyint(xb[k] * inv)));
-      lo[64 + k] = static_cast<uint8_t>(128 + static_cast<int>(std::nearbyint(xb[16 + k] * inv)));
-    }
+    // x * inv rounded half to even (as nearbyint), plus 128, as bytes: weights 0-15 and 16-31
+    const __m512 iv = _mm512_set1_ps(inv);
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(_mm512_add_epi32(
+        _mm512_cvt_roundps_epi32(_mm512_mul_ps(a0, iv), rnd), bias)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 64), _mm512_cvtepi32_epi8(_mm512_add_epi32(
+        _mm512_cvt_roundps_epi32(_mm512_mul_ps(a1, iv), rnd), bias)));
     for (int l = 0; l < 4; ++l) {
       row.dx[g * 16 + i * 4 + l] = dx;
       row.sx[g * 16 + i * 4 + l] = sum * 0.25f;
@@ -271,21 +274,57 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
   }
 }
 
-// Rows [m, m + MT) of x times output rows [n, n + nb) (as int4_tile).
-template <int MT>
-inline void q8_tile(const Q8Row* x, const uint8_t* qs, const float* d, const float* mins, float* y, int64_t K,
-                    int64_t N, int64_t m, int64_t n, int nb) {
-  const int64_t blocks = K / BLOCK4, groups = (blocks + G4 - 1) / G4;
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8), ones = _mm512_set1_epi8(1);
-  const uint8_t* qrow[NB];
-  const float *drow[NB], *mrow[NB];
-  for (int i = 0; i < NB; ++i) {
-    const int64_t r = n + std::min(i, nb - 1);
-    qrow[i] = qs + r * (K / 2);
-    drow[i] = d + r * blocks;
-    mrow[i] = mins + r * blocks;
+// The weights of a q8 tile, one row and one group of G4 blocks at a time: `lo` and `hi` the
+// signed bytes that meet x's low and high halves (zero past the last block), `scale` each lane's
+// block scale, `centre` what multiplies the exact sum of x (per lane).
+const __m512i kSpread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+
+// 4-bit blocks (w = d q + m): q - 8 and m + 8 d, the weight's value at q = 8.
+struct NibbleRows {
+  const uint8_t* qs;
+  const float *d, *mins;
+  int64_t K;
+  void group(int64_t r, int64_t g, __mmask64 bytes, __mmask16 lanes, __m512i& lo, __m512i& hi, __m512& scale,
+             __m512& centre) const {
+    const int64_t blocks = K / BLOCK4;
+    const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    const __m512i packed = _mm512_maskz_loadu_epi8(bytes, qs + r * (K / 2) + g * 64);
+    lo = _mm512_maskz_sub_epi8(bytes, _mm512_and_si512(packed, low4), eight);
+    hi = _mm512_maskz_sub_epi8(bytes, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), eight);
+    scale = _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, d + r * blocks + g * G4));
+    centre = _mm512_fmadd_ps(scale, _mm512_set1_ps(8.f),
+                             _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, mins + r * blocks + g * G4)));
   }
+};
+
+// Int8 groups of 32 (w = q scale (+ offset)): a group's 128 bytes are its four blocks in order,
+// whose 16-byte halves the 128-bit lane shuffles sort into x's low and high halves.
+struct ByteRows {
+  const int8_t* q;
+  const float *scale_, *offset;  // offset: nullptr for symmetric groups (a GGUF's Q8_0)
+  int64_t K;
+  void group(int64_t r, int64_t g, __mmask64 bytes, __mmask16 lanes, __m512i& lo, __m512i& hi, __m512& scale,
+             __m512& centre) const {
+    const int64_t blocks = K / BLOCK4;
+    const int8_t* src = q + r * K + g * (G4 * BLOCK4);
+    // `bytes` marks 16 per block: here 32 per block, the first 64 in a, the rest in b
+    const int valid = 32 * __builtin_popcountll(bytes) / 16;
+    const __mmask64 ma = valid >= 64 ? ~0ULL : (1ULL << valid) - 1;
+    const __mmask64 mb = valid >= 128 ? ~0ULL : valid <= 64 ? 0ULL : (1ULL << (valid - 64)) - 1;
+    const __m512i a = _mm512_maskz_loadu_epi8(ma, src), b = _mm512_maskz_loadu_epi8(mb, src + 64);
+    lo = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+    hi = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    scale = _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, scale_ + r * blocks + g * G4));
+    centre = offset ? _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, offset + r * blocks + g * G4))
+                    : _mm512_setzero_ps();
+  }
+};
+
+// Rows [m, m + MT) of x times output rows [n, n + nb) (as int4_tile).
+template <typename Rows, int MT>
+inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
+  const int64_t blocks = K / BLOCK4, groups = (blocks + G4 - 1) / G4;
+  const __m512i ones = _mm512_set1_epi8(1);
   __m512 acc[MT][NB];
   for (int j = 0; j < MT; ++j)
     for (int i = 0; i < NB; ++i) acc[j][i] = _mm512_setzero_ps();
@@ -294,25 +333,21 @@ inline void q8_tile(const Q8Row* x, const uint8_t* qs, const float* d, const flo
     const __mmask64 bytes = in_group == G4 ? ~0ULL : (1ULL << (16 * in_group)) - 1;
     const __mmask16 lanes = static_cast<__mmask16>((1u << in_group) - 1);
     for (int i = 0; i < NB; ++i) {
-      // q - 8 as signed bytes (zero past the last block), and 128 sum (q - 8) per lane
-      const __m512i packed = _mm512_maskz_loadu_epi8(bytes, qrow[i] + g * 64);
-      const __m512i wlo = _mm512_maskz_sub_epi8(bytes, _mm512_and_si512(packed, low4), eight);
-      const __m512i whi = _mm512_maskz_sub_epi8(bytes, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), eight);
+      __m512i wlo, whi;
+      __m512 sv, cv;
+      w.group(n + std::min(i, nb - 1), g, bytes, lanes, wlo, whi, sv, cv);
+      // x's bytes are xq + 128: less 128 sum(w) per lane
       const __m512i bias = _mm512_slli_epi32(
           _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wlo), ones, whi), 7);
-      const __m512 dv = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(lanes, drow[i] + g * G4));
-      // m + 8 d: the weight's value at q = 8, which multiplies the exact sum of x
-      const __m512 mv = _mm512_fmadd_ps(dv, _mm512_set1_ps(8.f),
-                                        _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(lanes, mrow[i] + g * G4)));
       for (int j = 0; j < MT; ++j) {
         const Q8Row& xr = x[m + j];
         const __m512i xlo = _mm512_loadu_si512(xr.xq.data() + g * 128);
         const __m512i xhi = _mm512_loadu_si512(xr.xq.data() + g * 128 + 64);
         const __m512i sums = _mm512_sub_epi32(
             _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xlo, wlo), xhi, whi), bias);
-        const __m512 scale = _mm512_mul_ps(dv, _mm512_loadu_ps(xr.dx.data() + g * 16));
+        const __m512 scale = _mm512_mul_ps(sv, _mm512_loadu_ps(xr.dx.data() + g * 16));
         acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[j][i]);
-        acc[j][i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xr.sx.data() + g * 16), acc[j][i]);
+        acc[j][i] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xr.sx.data() + g * 16), acc[j][i]);
       }
     }
   }
@@ -320,14 +355,17 @@ inline void q8_tile(const Q8Row* x, const uint8_t* qs, const float* d, const flo
     for (int i = 0; i < nb; ++i) y[(m + j) * N + n + i] = _mm512_reduce_add_ps(acc[j][i]);
 }
 
-void q8_rows(const Q8Row* x, const uint8_t* qs, const float* d, const float* mins, float* y, int64_t M, int64_t K,
-             int64_t N, int64_t n0, int64_t n1) {
+// Output rows [n0, n1) of every row of x; `prefetch(n, nb)` asks for the next tile's weights.
+template <typename Rows, typename Prefetch>
+void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
+             const Prefetch& prefetch) {
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
-    prefetch_next_int4(qs, d, mins, K, n, nb, n1);
+    prefetch(n, nb);
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) q8_tile<2>(x, qs, d, mins, y, K, N, m, n, nb);
-    for (; m < M; ++m) q8_tile<1>(x, qs, d, mins, y, K, N, m, n, nb);
+    for (; m + 4 <= M; m += 4) q8_tile<Rows, 4>(x, w, y, K, N, m, n, nb);
+    for (; m + 2 <= M; m += 2) q8_tile<Rows, 2>(x, w, y, K, N, m, n, nb);
+    for (; m < M; ++m) q8_tile<Rows, 1>(x, w, y, K, N, m, n, nb);
   }
 }
 #else
@@ -473,6 +511,19 @@ at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
   return y;
 }
 
+#if RADIXSERVE_Q8_DOT
+// few_row_matmul over x's rows quantized for q8_tile: ``rows(q8_rows, y, n0, n1)``.
+template <typename Rows>
+at::Tensor q8_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
+  std::vector<float> xbuf;
+  const float* xf = rows_as_float(x, xbuf);
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<Q8Row> q8(M);
+  for (int64_t m = 0; m < M; ++m) quantize_row_q8(xf + m * K, K, q8[m]);
+  return few_row_matmul(x, N, [&](const float*, float* yp, int64_t n0, int64_t n1) { rows(q8.data(), yp, n0, n1); });
+}
+#endif
+
 }  // namespace
 
 // x: [M, K], w: [N, K], both float32 or both bfloat16, contiguous, K a multiple of W (of 32 for
@@ -532,6 +583,30 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
   });
 }
 
+// As int8_linear for groups of 32, with each row of x quantized to int8 per block of 32 (see
+// q8_tile): where the CPU has AVX-512 VNNI (q8_supported), an error elsewhere.
+at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor offset) {
+  const int64_t group = int8_group("int8_linear_q8", w, scale, offset);
+  TORCH_CHECK(group == BLOCK4, "int8_linear_q8: groups of ", BLOCK4, " weights, got ", group);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "int8_linear_q8: x [M, K], w [N, K]");
+#if RADIXSERVE_Q8_DOT
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.numel() ? offset.data_ptr<float>() : nullptr;
+  const ByteRows rows{wp, sp, op, K};
+  return q8_matmul(x, N, [&](const Q8Row* q8, float* yp, int64_t n0, int64_t n1) {
+    q8_rows(q8, rows, yp, M, K, N, n0, n1, [&](int64_t n, int nb) {
+      const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb);
+      if (ahead > 0) prefetch_range(wp + (n + nb) * K, ahead * K);
+    });
+  });
+#else
+  TORCH_CHECK(false, "int8_linear_q8: this build has no AVX-512 VNNI");
+  return x;
+#endif
+}
+
 // out[n][k] = scale[n][k / group] * w[n][k] (+ offset[n][k / group]) in out's dtype (float32 /
 // bfloat16 / float16): the weight of a many-row matmul, written into a scratch buffer the caller keeps.
 void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor offset, at::Tensor out) {
@@ -588,7 +663,7 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor min
 }
 
 // As int4_linear, with each row of x quantized to int8 per block of 32 (see q8_tile): where the
-// CPU has AVX-512 VNNI (int4_q8_supported), an error elsewhere.
+// CPU has AVX-512 VNNI (q8_supported), an error elsewhere.
 at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins) {
   TORCH_CHECK(x.dim() == 2, "int4_linear_q8: x [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
@@ -597,12 +672,9 @@ at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor 
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
-  std::vector<float> xbuf;
-  const float* xf = rows_as_float(x, xbuf);
-  std::vector<Q8Row> rows(M);
-  for (int64_t m = 0; m < M; ++m) quantize_row_q8(xf + m * K, K, rows[m]);
-  return few_row_matmul(x, N, [&](const float*, float* yp, int64_t n0, int64_t n1) {
-    q8_rows(rows.data(), qp, dp, mp, yp, M, K, N, n0, n1);
+  const NibbleRows w{qp, dp, mp, K};
+  return q8_matmul(x, N, [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
+    q8_rows(rows, w, yp, M, K, N, n0, n1, [&](int64_t n, int nb) { prefetch_next_int4(qp, dp, mp, K, n, nb, n1); });
   });
 #else
   TORCH_CHECK(false, "int4_linear_q8: this build has no AVX-512 VNNI");
@@ -610,8 +682,8 @@ at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor 
 #endif
 }
 
-// Whether int4_linear_q8 runs here (the kernels were built for AVX-512 VNNI).
-bool int4_q8_supported() { return RADIXSERVE_Q8_DOT; }
+// Whether int4_linear_q8 and int8_linear_q8 run here (the kernels were built for AVX-512 VNNI).
+bool q8_supported() { return RADIXSERVE_Q8_DOT; }
 
 // out[n][k] = d * q + m of the 4-bit weight, in out's dtype (float32 / bfloat16 / float16).
 void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out) {

@@ -20,10 +20,11 @@ The matmul path, chosen by measurement (2-core CPUs, the default model's shapes,
 activations):
 - at most ``KERNEL_MAX_ROWS`` rows (decode): the C++ kernels ``int8_linear`` / ``int4_linear``
   (cpu_ext/linear_ops.cpp), the weights converted to float in registers; with
-  ``--int8-activations`` the 4-bit layers run ``int4_linear_q8`` instead: x quantized to int8
-  per 32 and VNNI integer dot products (llama.cpp's Q4 x Q8), 1.55-1.6x faster at one row on a
-  Xeon with AMX (80 MB of 4-bit layers: 4.5 -> 2.9 ms in float32), no longer the weights' exact
-  products (bench/quant_accuracy.py);
+  ``--int8-activations`` they run ``int4_linear_q8`` / ``int8_linear_q8`` instead: x quantized
+  to int8 per 32 and VNNI integer dot products (llama.cpp's Q4 x Q8 and Q8 x Q8): the default
+  model's 4-bit layers at one row 5.4 -> 2.9 ms (float32 activations), 6.0 -> 4.0 (bfloat16) on
+  a 2-core Xeon, a decode step 4-8% faster, no longer the weights' exact products
+  (bench/quant_accuracy.py);
 - more rows (prefill, large batches): the weight dequantized once per call into a shared buffer
   (the default model's layers: 25 ms in bfloat16, 57 in float32, on Zen 4) and the float
   matmul this CPU runs fastest at that many rows (float_linear.py): torch's blocked GEMM for a
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 
 from radixserve import cpu_ext
-from radixserve.config import QUANTIZATIONS
+from radixserve.config import INT8_ACTIVATION_MODES, QUANTIZATIONS
 from radixserve.quantization.float_linear import float_linear
 from radixserve.quantization.weights import (
     BLOCK4,
@@ -94,22 +95,24 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
     """Replace, in place, the weight of every linear layer that has one (and of a tied
     embedding) by its quantized form.  ``mode`` is one of :data:`QUANTIZATIONS` (``auto``
     resolved); ``gguf`` takes the blocks of ``gguf_path``, the file the model was converted from;
-    ``int8_activations``: the 4-bit weights' decode rows through ``int4_linear_q8``."""
+    ``int8_activations``: the decode rows of the 4-bit weights and of int8 groups of 32 through
+    ``int4_linear_q8`` / ``int8_linear_q8``."""
     if mode not in QUANTIZATIONS or mode == "auto":
         raise ValueError(f"quantization must be one of {[q for q in QUANTIZATIONS if q != 'auto']}, got {mode!r}")
     if int8_activations:
         ops = cpu_ext.load()
-        if mode not in ("int4", "gguf") or ops is None or not ops.int4_q8_supported():
-            raise ValueError("int8_activations needs 4-bit weights (quantization int4 or gguf) and a CPU with "
-                             f"AVX-512 VNNI (quantization {mode}; the kernels "
+        if mode not in INT8_ACTIVATION_MODES or ops is None or not ops.q8_supported():
+            raise ValueError("int8_activations needs quantized weights (quantization int4, gguf or int8) and a "
+                             f"CPU with AVX-512 VNNI (quantization {mode}; the kernels "
                              f"{'did not build' if ops is None else 'were built without it'})")
     _quantize(model, mode, gguf_path)
-    four_bit = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), Int4Weight)]
-    for weight in four_bit:
+    taking = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), Int4Weight) or (
+        isinstance(getattr(m, "weight", None), Int8Weight) and m.weight.group == BLOCK4)]
+    for weight in taking:
         weight.int8_activations = int8_activations
     if int8_activations:
-        log.info("int8 activations: decode rows through %d 4-bit layer(s) quantize x to int8 per %d "
-                 "(AVX-512 VNNI dot products)", len(four_bit), BLOCK4)
+        log.info("int8 activations: decode rows through %d quantized layer(s) quantize x to int8 per %d "
+                 "(AVX-512 VNNI dot products)", len(taking), BLOCK4)
 
 
 def _quantize(model: nn.Module, mode: str, gguf_path: str | None) -> None:

@@ -75,6 +75,7 @@ class Int8Weight(QuantizedWeight):
         self.offset = None if offset is None else offset.float().contiguous()
         self.group = k // scale.shape[1]
         self.dtype, self.shape = dtype, q.shape
+        self.int8_activations = False  # kernel rows through int8_linear_q8 (quantize_model sets it)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, group: int = GROUP, asymmetric: bool = False) -> Int8Weight:
@@ -105,7 +106,8 @@ class Int8Weight(QuantizedWeight):
         cpu_ext.load().int8_dequant_(self.q, self.scale, self._offset_arg(), out)
 
     def kernel_matmul(self, ops: object, x: torch.Tensor) -> torch.Tensor:
-        return ops.int8_linear(x, self.q, self.scale, self._offset_arg())
+        kernel = ops.int8_linear_q8 if self.int8_activations else ops.int8_linear
+        return kernel(x, self.q, self.scale, self._offset_arg())
 
     def _offset_arg(self) -> torch.Tensor:
         return _NO_OFFSET if self.offset is None else self.offset
