@@ -373,8 +373,9 @@ class ServerArgs:
         if quantization == "gguf" and source is None:
             raise ValueError(f"quantization gguf serves a .gguf model's own blocks; {self.model!r} is not a "
                              ".gguf file (int8 or int4 quantize a float checkpoint)")
-        if self.int8_activations and quantization not in INT8_ACTIVATION_MODES:
-            raise ValueError(f"int8_activations multiplies quantized weights (int4, gguf, int8), not {quantization}")
+        if self.int8_activations and (on_gpu or quantization not in INT8_ACTIVATION_MODES):
+            raise ValueError("int8_activations multiplies quantized weights (int4, gguf, int8) on a CPU, not "
+                             f"{quantization} on {device}")
         return dataclasses.replace(
             self,
             device=device,

@@ -92,6 +92,14 @@ def test_only_kernel_rows_take_int8_activations() -> None:
     assert not torch.equal(w.matmul(few), OPS.int4_linear(few, w.qs, w.d, w.m))
     torch.testing.assert_close(w.matmul(many).double(), many.double() @ w.dequantized(torch.float32).double().T,
                                rtol=1e-5, atol=1e-5)
+    for asymmetric in (False, True):  # int8 groups of 32: a GGUF's Q8_0 and --quantization int8
+        w8 = Int8Weight.quantize(torch.randn((40, 4 * BLOCK4), generator=gen) * 0.05, BLOCK4, asymmetric)
+        w8.int8_activations = True
+        offset = w8.offset if asymmetric else torch.empty(0)
+        assert torch.equal(w8.matmul(few), OPS.int8_linear_q8(few, w8.q, w8.scale, offset))
+        assert not torch.equal(w8.matmul(few), OPS.int8_linear(few, w8.q, w8.scale, offset))
+        torch.testing.assert_close(w8.matmul(many).double(),
+                                   many.double() @ w8.dequantized(torch.float32).double().T, rtol=1e-5, atol=1e-5)
 
 
 def test_settings_refuse_it_without_quantized_weights(tiny_model_dir) -> None:
@@ -137,17 +145,23 @@ def test_no_kernels_or_no_vnni_refuses_it(tiny_model_dir, monkeypatch: pytest.Mo
 @needs_vnni
 def test_the_default_model_through_the_engine(default_model_path: str) -> None:
     """The real server processes with int8 activations: greedy text that starts as float32's (a
-    near tie later may part them), and the KV memory back to free."""
+    near tie later may part them), logprobs that are not the exact products' (the setting
+    reached the scheduler's weights), and the KV memory back to free."""
     from radixserve.engine import Engine
 
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     params = {"max_new_tokens": 8, "temperature": 0}
-    with Engine(int8_activations=True, dtype="float32", max_total_tokens=4096) as engine:
-        out = engine.generate(prompt, params)
-        assert engine.info.quantization == "gguf"
-        report = engine.check_memory()
-        assert report["ok"] and report["locked_tokens"] == 0 and report["request_pages"] == 0, report
-    assert out["text"].startswith("The capital of France is Paris")
+    logprobs = {}
+    for flag in (False, True):
+        with Engine(int8_activations=flag, dtype="float32", max_total_tokens=4096) as engine:
+            out = engine.generate(prompt, params, return_logprob=True)
+            assert engine.info.quantization == "gguf"
+            report = engine.check_memory()
+            assert report["ok"] and report["locked_tokens"] == 0 and report["request_pages"] == 0, report
+        assert out["text"].startswith("The capital of France is Paris")
+        logprobs[flag] = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+    gaps = [abs(a - b) for a, b in zip(logprobs[False], logprobs[True], strict=True)]
+    assert 1e-6 < max(gaps) < 0.5
 
 
 def test_benchmarks_name_it_with_a_suffix() -> None:

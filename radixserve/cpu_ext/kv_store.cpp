@@ -142,6 +142,7 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, 
                   v.scalar_type() == k.scalar_type(),
               "store_kv: k, v and the pools must share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "slots must be [n] int64");
+  for (const auto* t : {&k, &v, &k_pool, &v_pool, &slots}) TORCH_CHECK(t->is_cpu(), "store_kv: CPU tensors only");
   auto kc = k.contiguous(), vc = v.contiguous();
   auto sl = slots.contiguous();
   const int64_t n = k.size(0), num_slots = k_pool.size(0);

@@ -257,7 +257,9 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
     const __m512 a0 = _mm512_loadu_ps(x + b * BLOCK4), a1 = _mm512_loadu_ps(x + b * BLOCK4 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
     const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-    const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    // a block below 1e-30 in magnitude (where 127 / amax could overflow) counts as zeros here;
+    // its exact sum still enters the offset term
+    const float dx = amax / 127.f, inv = amax > 1e-30f ? 127.f / amax : 0.f;
     const int64_t g = b / G4, i = b % G4;
     uint8_t* lo = row.xq.data() + g * 128 + i * 16;
     // x * inv rounded half to even (as nearbyint), plus 128, as bytes: weights 0-15 and 16-31
@@ -597,8 +599,12 @@ at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tens
   const ByteRows rows{wp, sp, op, K};
   return q8_matmul(x, N, [&](const Q8Row* q8, float* yp, int64_t n0, int64_t n1) {
     q8_rows(q8, rows, yp, M, K, N, n0, n1, [&](int64_t n, int nb) {
-      const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb);
-      if (ahead > 0) prefetch_range(wp + (n + nb) * K, ahead * K);
+      const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb), groups = K / BLOCK4;
+      if (ahead > 0) {
+        prefetch_range(wp + (n + nb) * K, ahead * K);
+        prefetch_range(sp + (n + nb) * groups, ahead * groups * 4);
+        if (op) prefetch_range(op + (n + nb) * groups, ahead * groups * 4);
+      }
     });
   });
 #else

@@ -110,6 +110,9 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
         isinstance(getattr(m, "weight", None), Int8Weight) and m.weight.group == BLOCK4)]
     for weight in taking:
         weight.int8_activations = int8_activations
+    if int8_activations and not taking:
+        raise ValueError(f"int8_activations: no layer of this model is served in 4-bit blocks or int8 groups of "
+                         f"{BLOCK4} with quantization {mode}")
     if int8_activations:
         log.info("int8 activations: decode rows through %d quantized layer(s) quantize x to int8 per %d "
                  "(AVX-512 VNNI dot products)", len(taking), BLOCK4)
