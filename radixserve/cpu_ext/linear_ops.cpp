@@ -286,8 +286,8 @@ struct NibbleRows {
   const uint8_t* qs;
   const float *d, *mins;
   int64_t K;
-  void group(int64_t r, int64_t g, __mmask64 bytes, __mmask16 lanes, __m512i& lo, __m512i& hi, __m512& scale,
-             __m512& centre) const {
+  void group(int64_t r, int64_t g, int, __mmask64 bytes, __mmask16 lanes, __m512i& lo, __m512i& hi,
+             __m512& scale, __m512& centre) const {
     const int64_t blocks = K / BLOCK4;
     const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     const __m512i packed = _mm512_maskz_loadu_epi8(bytes, qs + r * (K / 2) + g * 64);
@@ -305,12 +305,12 @@ struct ByteRows {
   const int8_t* q;
   const float *scale_, *offset;  // offset: nullptr for symmetric groups (a GGUF's Q8_0)
   int64_t K;
-  void group(int64_t r, int64_t g, __mmask64 bytes, __mmask16 lanes, __m512i& lo, __m512i& hi, __m512& scale,
-             __m512& centre) const {
+  void group(int64_t r, int64_t g, int in_group, __mmask64, __mmask16 lanes, __m512i& lo, __m512i& hi,
+             __m512& scale, __m512& centre) const {
     const int64_t blocks = K / BLOCK4;
     const int8_t* src = q + r * K + g * (G4 * BLOCK4);
-    // `bytes` marks 16 per block: here 32 per block, the first 64 in a, the rest in b
-    const int valid = 32 * __builtin_popcountll(bytes) / 16;
+    // 32 bytes per block: the first 64 in a, the rest in b
+    const int valid = 32 * in_group;
     const __mmask64 ma = valid >= 64 ? ~0ULL : (1ULL << valid) - 1;
     const __mmask64 mb = valid >= 128 ? ~0ULL : valid <= 64 ? 0ULL : (1ULL << (valid - 64)) - 1;
     const __m512i a = _mm512_maskz_loadu_epi8(ma, src), b = _mm512_maskz_loadu_epi8(mb, src + 64);
@@ -337,7 +337,7 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
     for (int i = 0; i < NB; ++i) {
       __m512i wlo, whi;
       __m512 sv, cv;
-      w.group(n + std::min(i, nb - 1), g, bytes, lanes, wlo, whi, sv, cv);
+      w.group(n + std::min(i, nb - 1), g, in_group, bytes, lanes, wlo, whi, sv, cv);
       // x's bytes are xq + 128: less 128 sum(w) per lane
       const __m512i bias = _mm512_slli_epi32(
           _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wlo), ones, whi), 7);
@@ -488,9 +488,7 @@ inline const float* rows_as_float(const at::Tensor& x, std::vector<float>& buf) 
 // conversions are loops here, not ATen ops: two of those per matmul cost ~1.5 ms of a one-row
 // decode step of the default model.
 template <typename Rows>
-at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
-  std::vector<float> xbuf;
-  const float* xp = rows_as_float(x, xbuf);
+at::Tensor few_row_matmul(const at::Tensor& x, const float* xp, int64_t N, const Rows& rows) {
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   if (x.scalar_type() == at::kFloat) {
@@ -513,6 +511,12 @@ at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
   return y;
 }
 
+template <typename Rows>
+at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
+  std::vector<float> xbuf;
+  return few_row_matmul(x, rows_as_float(x, xbuf), N, rows);
+}
+
 #if RADIXSERVE_Q8_DOT
 // few_row_matmul over x's rows quantized for q8_tile: ``rows(q8_rows, y, n0, n1)``.
 template <typename Rows>
@@ -522,7 +526,9 @@ at::Tensor q8_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Q8Row> q8(M);
   for (int64_t m = 0; m < M; ++m) quantize_row_q8(xf + m * K, K, q8[m]);
-  return few_row_matmul(x, N, [&](const float*, float* yp, int64_t n0, int64_t n1) { rows(q8.data(), yp, n0, n1); });
+  return few_row_matmul(x, xf, N, [&](const float*, float* yp, int64_t n0, int64_t n1) {
+    rows(q8.data(), yp, n0, n1);
+  });
 }
 #endif
 
