@@ -118,3 +118,20 @@ def test_engine_profiles_the_scheduler_process(tiny_chat_model) -> None:
     assert_accounts_for_steps(result, after["forward_steps"] - before["forward_steps"],
                               after["step_seconds"] - before["step_seconds"],
                               after["forward_seconds"] - before["forward_seconds"])
+
+
+def test_scope_records_only_under_the_profiler() -> None:
+    """Off the profiler a scope opens no range (a range costs tens of microseconds even when
+    nothing records it); under it the range is recorded with its name."""
+    import contextlib
+
+    import torch
+
+    from radixserve.profiler_scopes import scope
+
+    assert isinstance(scope("radixserve.test"), contextlib.nullcontext)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with scope("radixserve.test"):
+            torch.ones(4).sum()
+    names = [ev.name for ev in prof.events()]
+    assert names.count("radixserve.test") == 1 and "aten::sum" in names

@@ -10,6 +10,7 @@ from radixserve.batch import ForwardBatch
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.distributed.step_message import StepBatch, pack_rows
+from radixserve.profiler_scopes import scope
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
 from radixserve.scheduler import prompt_logprobs
 from radixserve.scheduler.cuda_graph import DecodeGraphs
@@ -109,7 +110,7 @@ class ModelRunner:
         Requests that owe prompt logprobs get them from the same forward: the LM head also
         reads their prompt rows, and ``prompt_logprobs.record`` stores the result on them.
         """
-        with torch.profiler.record_function(FORWARD_SCOPE):
+        with scope(FORWARD_SCOPE):
             plan = prompt_logprobs.plan_rows(entries)
             num_entries = len(entries)
             rows = list(range(num_entries)) if sample_rows is None else sample_rows
@@ -156,7 +157,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]] | None = None) -> SampleOutput:
         """One token per row of ``logits``: a request with ``drafts[i]`` (k tokens) owns ``k + 1``
         consecutive rows, row ``j`` sampled as if ``drafts[i][:j]`` followed its output."""
-        with torch.profiler.record_function(SAMPLING_SCOPE):
+        with scope(SAMPLING_SCOPE):
             params, seeds, outputs, prompts, steps, logprob, top_n = [], [], [], [], [], [], []
             for i, r in enumerate(reqs):
                 draft = drafts[i] if drafts is not None else []
