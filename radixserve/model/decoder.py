@@ -21,6 +21,7 @@ from radixserve.batch import ForwardBatch
 from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from radixserve.model.config import ModelConfig
+from radixserve.model.fused_decode import FusedDecode
 from radixserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, fused_ops
 from radixserve.profiler_scopes import scope
 from radixserve.quantization import linear
@@ -168,6 +169,7 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
+        self.fused: FusedDecode | None = None
 
     @classmethod
     def arch_spec(cls, hf_config: Any) -> ArchSpec:
@@ -189,9 +191,12 @@ class CausalLM(nn.Module):
         None on tensor-parallel ranks other than 0."""
         residual = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.cos_sin(fb.positions, residual.dtype)
-        delta = None
-        for layer in self.model.layers:
-            delta = layer(delta, residual, cos, sin, fb)
+        if self.fused is None:  # built at the first forward, once the weights are in place
+            self.fused = FusedDecode(self)
+        delta = self.fused.run(residual, cos, sin, fb)
+        if delta is None:
+            for layer in self.model.layers:
+                delta = layer(delta, residual, cos, sin, fb)
         # Only the rows the sampler (and prompt logprobs) read go through the norm and LM head.
         rows = fb.logits_indices
         x = self.model.norm(residual.index_select(0, rows) + delta.index_select(0, rows))

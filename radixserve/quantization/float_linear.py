@@ -55,12 +55,18 @@ def _kernel_rows(dtype: torch.dtype, width: int, feature: str | None) -> range:
 
 
 def _float_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] % 32 or x.dtype != weight.dtype:
+    if x.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype or not x.is_contiguous():
         return False
-    if not (x.is_contiguous() and weight.is_contiguous()):
+    return kernel_takes(x.shape[0], weight)
+
+
+def kernel_takes(rows: int, weight: torch.Tensor) -> bool:
+    """Whether ``float_linear`` multiplies ``rows`` contiguous rows of the weight's dtype by
+    ``weight`` through the C++ loop (model/fused_decode.py asks it once per step)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] % 32 or not weight.is_contiguous():
         return False
     ops = _float_kernel()
-    return ops is not None and x.shape[0] in _kernel_rows(x.dtype, ops.vector_width(), cpu_bf16_feature())
+    return ops is not None and rows in _kernel_rows(weight.dtype, ops.vector_width(), cpu_bf16_feature())
 
 
 @functools.cache

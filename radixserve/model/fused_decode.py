@@ -1,0 +1,134 @@
+"""Steps of few rows through every decoder layer in one C++ call (``cpu_ext`` ``decode_layers``).
+
+A one-row decode step of the default model spent ~3 ms of ~15 in the Python between its
+kernels: module calls, views, argument checks and conversions, about 100 us a layer.  Where a
+step's layers run on the C++ kernels anyway (a CPU, one rank, at most ``KERNEL_MAX_ROWS`` rows,
+the paged kernel's plan, a pool its store writes, no q/k norm), they run in one call instead:
+the same kernels in the same order on the same tensors, so the logits are the same bits
+(tests/test_fused_decode.py).  Anything else takes the Python layers, and so does every step
+under torch's profiler, whose breakdown (scheduler/profiling.py) reads the layers' ranges.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from radixserve import cpu_ext
+from radixserve.attention.paged_plan import KernelPlan
+from radixserve.attention.torch_backend import KERNEL_MAX_GROUP
+from radixserve.quantization import KERNEL_MAX_ROWS, Int4Weight, Int8Weight
+from radixserve.quantization.float_linear import kernel_takes
+
+if TYPE_CHECKING:
+    from radixserve.batch import ForwardBatch
+
+# How decode_layers runs a matmul (decode_layers.cpp's Linear).
+FLOAT_KERNEL, FLOAT_TORCH, INT8, INT8_Q8, INT4, INT4_Q8 = range(6)
+_EMPTY = torch.empty(0)
+
+
+def _linear_parts(module: torch.nn.Module) -> tuple[int | None, list[torch.Tensor]] | None:
+    """A layer's matmul as decode_layers takes it: its kind (None: a float weight, whose kind
+    depends on the step's rows) and its weight tensors then bias; None if it cannot."""
+    w, bias = module.weight, module.bias if module.bias is not None else _EMPTY
+    if isinstance(w, Int4Weight):
+        return (INT4_Q8 if w.int8_activations else INT4), [w.qs, w.d, w.m, bias]
+    if isinstance(w, Int8Weight):
+        offset = w.offset if w.offset is not None else _EMPTY
+        return (INT8_Q8 if w.int8_activations else INT8), [w.q, w.scale, offset, bias]
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return None, [w, _EMPTY, _EMPTY, bias]
+    return None
+
+
+class FusedDecode:
+    """The model's layers as ``decode_layers`` takes them, or nothing where it cannot (then
+    :meth:`run` always answers None)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        """``model``: a model/decoder.py CausalLM."""
+        self.ops = cpu_ext.load()
+        self.layers = model.model.layers
+        info = self.layers[0].self_attn.info
+        self.dims = [info.num_heads, info.num_kv_heads, info.head_dim]
+        self.scaling = info.scaling
+        self.eps = self.layers[0].input_layernorm.eps
+        self.modules = [m for layer in self.layers for m in (
+            layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.model_fits = (self.ops is not None and model.tp.size == 1
+                           and next(model.parameters()).device.type == "cpu"
+                           and info.num_heads // info.num_kv_heads <= KERNEL_MAX_GROUP
+                           and all(layer.self_attn.q_norm is None and layer.mlp.act is F.silu
+                                   and layer.input_layernorm.eps == layer.post_attention_layernorm.eps == self.eps
+                                   for layer in self.layers))
+        self.weights: list[torch.Tensor] = []
+        self.kinds: list[int | None] = []
+        self.float_weights: list[torch.Tensor] = []
+        self.seen: list[tuple[object, object]] = []  # each module's weight and its int8 flag, as built
+        self._pools: tuple[object, list[torch.Tensor]] | None = None
+
+    def _current(self) -> bool:
+        """Whether the lists describe the modules' weights as they are now (quantize_model
+        replaces weights and sets their int8 flag at load, possibly after a first forward)."""
+        return len(self.seen) == len(self.modules) and all(
+            m.weight is w and getattr(w, "int8_activations", None) == flag
+            for m, (w, flag) in zip(self.modules, self.seen, strict=True))
+
+    def _build(self) -> None:
+        """Rebuild the lists from the modules; no kinds where some matmul cannot go (then every
+        step takes the Python layers until the weights change)."""
+        self.weights, self.kinds, self.float_weights = [], [], []
+        self.seen = [(m.weight, getattr(m.weight, "int8_activations", None)) for m in self.modules]
+        for i in range(0, len(self.modules), 6):
+            norms, linears = self.modules[i : i + 2], self.modules[i + 2 : i + 6]
+            self.weights += [n.weight for n in norms]
+            for m in linears:
+                parts = _linear_parts(m)
+                if parts is None:
+                    self.kinds = []
+                    return
+                kind, tensors = parts
+                self.weights += tensors
+                self.kinds.append(kind)
+                if kind is None:
+                    self.float_weights.append(tensors[0])
+
+    def _kinds(self, rows: int) -> list[int]:
+        """The matmuls' kinds for a step of ``rows`` rows (a float weight's as float_linear picks)."""
+        it = iter(self.float_weights)
+        return [k if k is not None else (FLOAT_KERNEL if kernel_takes(rows, next(it)) else FLOAT_TORCH)
+                for k in self.kinds]
+
+    def _pool_tensors(self, pool: object) -> list[torch.Tensor]:
+        if self._pools is None or self._pools[0] is not pool:
+            tensors = []
+            for layer in range(len(self.layers)):
+                k_scale, v_scale = pool.get_scales(layer)
+                tensors += [*pool.get_kv(layer), _EMPTY if k_scale is None else k_scale,
+                            _EMPTY if v_scale is None else v_scale]
+            self._pools = (pool, tensors)
+        return self._pools[1]
+
+    def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
+        """The last layer's MLP output (``residual`` updated in place), as the Python layers
+        give it; None where this step takes the Python layers."""
+        rows = residual.shape[0]
+        plan = fb.attn_metadata
+        if (not self.model_fits or rows > KERNEL_MAX_ROWS or torch.autograd.profiler._is_profiler_enabled
+                or not isinstance(plan, KernelPlan) or not residual.is_contiguous()):
+            return None
+        if not self._current():
+            self._build()
+        if not self.kinds:  # some matmul cannot go
+            return None
+        pool = fb.kv_pool
+        if not pool.quantized and pool.get_kv(0)[0].dtype != residual.dtype:
+            return None  # the Python path writes such a pool through torch (KVPool.set_kv)
+        return self.ops.decode_layers(
+            residual, self.weights, self._kinds(rows), self.eps, self.dims, cos.view(rows, -1), sin.view(rows, -1),
+            self._pool_tensors(pool), pool.quantized, pool.rotated, fb.out_cache_loc, fb.req_to_token,
+            list(plan.args()), self.scaling)
