@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "decode_layers.h"
+
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                               at::Tensor k_scale, at::Tensor v_scale, at::Tensor table, at::Tensor job_row,
                               at::Tensor job_kv_begin, at::Tensor job_entry_ptr,
@@ -28,10 +30,6 @@ at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tens
 bool q8_supported();
 void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out);
 int64_t vector_width();
-at::Tensor decode_layers(at::Tensor residual, std::vector<at::Tensor> weights, std::vector<int64_t> kinds,
-                         double eps, std::vector<int64_t> dims, at::Tensor cos, at::Tensor sin,
-                         std::vector<at::Tensor> pools, bool quantized, bool rotated, at::Tensor slots,
-                         at::Tensor table, std::vector<at::Tensor> plan, double scaling);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over the KV pool");
@@ -49,6 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_supported", &q8_supported, "whether int4_linear_q8 and int8_linear_q8 run in this build");
   m.def("int4_dequant_", &int4_dequant_, "out <- d * q + m of a 4-bit weight, in out's dtype");
   m.def("float_linear", &float_linear, "x [M, K] times w [N, K], float32 or bfloat16 -> [M, N] (few rows)");
-  m.def("decode_layers", &decode_layers, "every decoder layer of a step of few rows (model/fused_decode.py)");
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers", "every decoder layer of a step of few rows (model/fused_decode.py)")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double, std::vector<int64_t>, double>())
+      .def("run", &DecodeLayers::run, "the last layer's MLP output; the residual updated in place");
   m.def("vector_width", &vector_width, "float lanes of the kernels' vectors (8: AVX2, 16: AVX-512)");
 }

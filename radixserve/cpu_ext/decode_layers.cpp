@@ -9,10 +9,11 @@
 // none), the weight tensors as ``kinds`` names them (Linear below).  ``pools`` holds each layer's
 // K and V pools and their int8 scales (empty tensors for other pools).
 
-#include <ATen/core/Tensor.h>
+#include "decode_layers.h"
+
 #include <ATen/ops/linear.h>
 
-#include <vector>
+#include <utility>
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
                            at::Tensor v_scale, at::Tensor table, at::Tensor job_row, at::Tensor job_kv_begin,
@@ -53,27 +54,31 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor* t) {
     case INT8_Q8: y = int8_linear_q8(x, t[0], t[1], t[2]); break;
     case INT4: y = int4_linear(x, t[0], t[1], t[2]); break;
     case INT4_Q8: y = int4_linear_q8(x, t[0], t[1], t[2]); break;
-    default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
+    default: TORCH_CHECK(false, "DecodeLayers: unknown linear kind ", kind);
   }
   return bias.numel() ? y.add(bias) : y;  // y + bias
 }
 
 }  // namespace
 
+DecodeLayers::DecodeLayers(std::vector<at::Tensor> weights_, std::vector<at::Tensor> pools_, double eps_,
+                           std::vector<int64_t> dims_, double scaling_)
+    : weights(std::move(weights_)), pools(std::move(pools_)), eps(eps_), scaling(scaling_), dims(std::move(dims_)) {
+  const int64_t layers = static_cast<int64_t>(weights.size()) / LAYER_TENSORS;
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == LAYER_TENSORS * layers &&
+                  static_cast<int64_t>(pools.size()) == LAYER_POOLS * layers && dims.size() == 3,
+              "DecodeLayers: ", LAYER_TENSORS, " weights and ", LAYER_POOLS, " pool tensors per layer, 3 dims");
+}
+
 // residual: [T, hidden], updated in place; returns the last layer's MLP output (the Python
-// layers' ``delta``).  dims: query heads, KV heads, head_dim; cos / sin: [T, head_dim] float32.
-at::Tensor decode_layers(at::Tensor residual, std::vector<at::Tensor> weights, std::vector<int64_t> kinds,
-                         double eps, std::vector<int64_t> dims, at::Tensor cos, at::Tensor sin,
-                         std::vector<at::Tensor> pools, bool quantized, bool rotated, at::Tensor slots,
-                         at::Tensor table, std::vector<at::Tensor> plan, double scaling) {
-  const int64_t layers = static_cast<int64_t>(kinds.size()) / 4;
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(kinds.size()) == 4 * layers &&
-                  static_cast<int64_t>(weights.size()) == LAYER_TENSORS * layers &&
-                  static_cast<int64_t>(pools.size()) == LAYER_POOLS * layers && dims.size() == 3 &&
-                  static_cast<int64_t>(plan.size()) == PLAN_TENSORS,
-              "decode_layers: ", LAYER_TENSORS, " weights, 4 kinds and ", LAYER_POOLS,
-              " pool tensors per layer, 3 dims, ", PLAN_TENSORS, " plan tensors");
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decode_layers: residual must be contiguous [T, hidden]");
+// layers' ``delta``).  kinds: 4 per layer; cos / sin: [T, head_dim] float32.
+at::Tensor DecodeLayers::run(at::Tensor residual, std::vector<int64_t> kinds, at::Tensor cos, at::Tensor sin,
+                             bool quantized, bool rotated, at::Tensor slots, at::Tensor table,
+                             std::vector<at::Tensor> plan) const {
+  const int64_t layers = static_cast<int64_t>(weights.size()) / LAYER_TENSORS;
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers && static_cast<int64_t>(plan.size()) == PLAN_TENSORS,
+              "DecodeLayers.run: 4 kinds per layer and ", PLAN_TENSORS, " plan tensors");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "DecodeLayers.run: residual must be contiguous [T, hidden]");
   const int64_t T = residual.size(0), H = dims[0], KV = dims[1], D = dims[2];
   at::Tensor delta;
   for (int64_t l = 0; l < layers; ++l) {

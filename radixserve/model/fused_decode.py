@@ -1,4 +1,4 @@
-"""Steps of few rows through every decoder layer in one C++ call (``cpu_ext`` ``decode_layers``).
+"""Steps of few rows through every decoder layer in one C++ call (``cpu_ext`` ``DecodeLayers``).
 
 A one-row decode step of the default model spent ~3 ms of ~15 in the Python between its
 kernels: module calls, views, argument checks and conversions, about 100 us a layer.  Where a
@@ -19,19 +19,19 @@ import torch.nn.functional as F
 from radixserve import cpu_ext
 from radixserve.attention.paged_plan import KernelPlan
 from radixserve.attention.torch_backend import KERNEL_MAX_GROUP
-from radixserve.quantization import KERNEL_MAX_ROWS, Int4Weight, Int8Weight
+from radixserve.quantization import KERNEL_MAX_ROWS, Int4Weight, Int8Weight, weights_changes
 from radixserve.quantization.float_linear import kernel_takes
 
 if TYPE_CHECKING:
     from radixserve.batch import ForwardBatch
 
-# How decode_layers runs a matmul (decode_layers.cpp's Linear).
+# How DecodeLayers runs a matmul (decode_layers.cpp's Linear).
 FLOAT_KERNEL, FLOAT_TORCH, INT8, INT8_Q8, INT4, INT4_Q8 = range(6)
 _EMPTY = torch.empty(0)
 
 
 def _linear_parts(module: torch.nn.Module) -> tuple[int | None, list[torch.Tensor]] | None:
-    """A layer's matmul as decode_layers takes it: its kind (None: a float weight, whose kind
+    """A layer's matmul as DecodeLayers takes it: its kind (None: a float weight, whose kind
     depends on the step's rows) and its weight tensors then bias; None if it cannot."""
     w, bias = module.weight, module.bias if module.bias is not None else _EMPTY
     if isinstance(w, Int4Weight):
@@ -45,8 +45,8 @@ def _linear_parts(module: torch.nn.Module) -> tuple[int | None, list[torch.Tenso
 
 
 class FusedDecode:
-    """The model's layers as ``decode_layers`` takes them, or nothing where it cannot (then
-    :meth:`run` always answers None)."""
+    """The model's layers as ``DecodeLayers`` holds them, or nothing where it cannot take them
+    (then :meth:`run` answers None)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         """``model``: a model/decoder.py CausalLM."""
@@ -56,38 +56,30 @@ class FusedDecode:
         self.dims = [info.num_heads, info.num_kv_heads, info.head_dim]
         self.scaling = info.scaling
         self.eps = self.layers[0].input_layernorm.eps
-        self.modules = [m for layer in self.layers for m in (
-            layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self.model_fits = (self.ops is not None and model.tp.size == 1
                            and next(model.parameters()).device.type == "cpu"
                            and info.num_heads // info.num_kv_heads <= KERNEL_MAX_GROUP
                            and all(layer.self_attn.q_norm is None and layer.mlp.act is F.silu
                                    and layer.input_layernorm.eps == layer.post_attention_layernorm.eps == self.eps
                                    for layer in self.layers))
+        self.version: int | None = None  # quantization.weights_changes() when the lists were built
+        self.pool: object = None
+        self.native = None  # the C++ DecodeLayers over the lists and the pool's tensors
         self.weights: list[torch.Tensor] = []
         self.kinds: list[int | None] = []
         self.float_weights: list[torch.Tensor] = []
-        self.seen: list[tuple[object, object]] = []  # each module's weight and its int8 flag, as built
-        self._pools: tuple[object, list[torch.Tensor]] | None = None
-
-    def _current(self) -> bool:
-        """Whether the lists describe the modules' weights as they are now (quantize_model
-        replaces weights and sets their int8 flag at load, possibly after a first forward)."""
-        return len(self.seen) == len(self.modules) and all(
-            m.weight is w and getattr(w, "int8_activations", None) == flag
-            for m, (w, flag) in zip(self.modules, self.seen, strict=True))
+        self._kinds_by_rows: dict[int, list[int]] = {}
 
     def _build(self) -> None:
-        """Rebuild the lists from the modules; no kinds where some matmul cannot go (then every
-        step takes the Python layers until the weights change)."""
+        """The lists from the modules as they are; no kinds where some matmul cannot go (then
+        every step takes the Python layers until the weights change)."""
+        self.version, self.native, self._kinds_by_rows = weights_changes(), None, {}
         self.weights, self.kinds, self.float_weights = [], [], []
-        self.seen = [(m.weight, getattr(m.weight, "int8_activations", None)) for m in self.modules]
-        for i in range(0, len(self.modules), 6):
-            norms, linears = self.modules[i : i + 2], self.modules[i + 2 : i + 6]
-            self.weights += [n.weight for n in norms]
-            for m in linears:
-                parts = _linear_parts(m)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                parts = _linear_parts(module)
                 if parts is None:
                     self.kinds = []
                     return
@@ -99,19 +91,23 @@ class FusedDecode:
 
     def _kinds(self, rows: int) -> list[int]:
         """The matmuls' kinds for a step of ``rows`` rows (a float weight's as float_linear picks)."""
-        it = iter(self.float_weights)
-        return [k if k is not None else (FLOAT_KERNEL if kernel_takes(rows, next(it)) else FLOAT_TORCH)
+        if rows not in self._kinds_by_rows:
+            it = iter(self.float_weights)
+            self._kinds_by_rows[rows] = [
+                k if k is not None else (FLOAT_KERNEL if kernel_takes(rows, next(it)) else FLOAT_TORCH)
                 for k in self.kinds]
+        return self._kinds_by_rows[rows]
 
-    def _pool_tensors(self, pool: object) -> list[torch.Tensor]:
-        if self._pools is None or self._pools[0] is not pool:
+    def _native(self, pool: object) -> object:
+        if self.native is None or self.pool is not pool:
             tensors = []
             for layer in range(len(self.layers)):
                 k_scale, v_scale = pool.get_scales(layer)
                 tensors += [*pool.get_kv(layer), _EMPTY if k_scale is None else k_scale,
                             _EMPTY if v_scale is None else v_scale]
-            self._pools = (pool, tensors)
-        return self._pools[1]
+            self.native = self.ops.DecodeLayers(self.weights, tensors, self.eps, self.dims, self.scaling)
+            self.pool = pool
+        return self.native
 
     def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
         """The last layer's MLP output (``residual`` updated in place), as the Python layers
@@ -121,14 +117,11 @@ class FusedDecode:
         if (not self.model_fits or rows > KERNEL_MAX_ROWS or torch.autograd.profiler._is_profiler_enabled
                 or not isinstance(plan, KernelPlan) or not residual.is_contiguous()):
             return None
-        if not self._current():
+        if self.version != weights_changes():
             self._build()
-        if not self.kinds:  # some matmul cannot go
-            return None
         pool = fb.kv_pool
-        if not pool.quantized and pool.get_kv(0)[0].dtype != residual.dtype:
-            return None  # the Python path writes such a pool through torch (KVPool.set_kv)
-        return self.ops.decode_layers(
-            residual, self.weights, self._kinds(rows), self.eps, self.dims, cos.view(rows, -1), sin.view(rows, -1),
-            self._pool_tensors(pool), pool.quantized, pool.rotated, fb.out_cache_loc, fb.req_to_token,
-            list(plan.args()), self.scaling)
+        if not self.kinds or not pool.quantized and pool.get_kv(0)[0].dtype != residual.dtype:
+            return None  # a matmul it cannot take; a pool the Python path writes through torch
+        return self._native(pool).run(
+            residual, self._kinds(rows), cos.view(rows, -1), sin.view(rows, -1), pool.quantized, pool.rotated,
+            fb.out_cache_loc, fb.req_to_token, list(plan.args()))

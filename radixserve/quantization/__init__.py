@@ -53,7 +53,7 @@ from radixserve.quantization.weights import (
 )
 
 __all__ = ["BLOCK4", "GROUP", "KERNEL_MAX_ROWS", "LINEAR_SCOPE", "Int4Weight", "Int8Weight", "QuantizedWeight", "linear",
-           "quantize_model"]
+           "quantize_model", "weights_changes"]
 
 log = logging.getLogger("radixserve")
 
@@ -91,6 +91,15 @@ def _quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+_changes = [0]
+
+
+def weights_changes() -> int:
+    """How many times :func:`quantize_model` has replaced weights or set their int8 flag in this
+    process: what holds a model's weights (model/fused_decode.py) rebuilds when it moves."""
+    return _changes[0]
+
+
 def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, int8_activations: bool = False) -> None:
     """Replace, in place, the weight of every linear layer that has one (and of a tied
     embedding) by its quantized form.  ``mode`` is one of :data:`QUANTIZATIONS` (``auto``
@@ -105,6 +114,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
             raise ValueError("int8_activations needs quantized weights (quantization int4, gguf or int8) and a "
                              f"CPU with AVX-512 VNNI (quantization {mode}; the kernels "
                              f"{'did not build' if ops is None else 'were built without it'})")
+    _changes[0] += 1  # before anything changes: a failure half way still counts
     _quantize(model, mode, gguf_path)
     taking = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), Int4Weight) or (
         isinstance(getattr(m, "weight", None), Int8Weight) and m.weight.group == BLOCK4)]
