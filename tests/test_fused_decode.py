@@ -166,3 +166,17 @@ def test_default_model_fused_decode_is_exact(default_model_path: str) -> None:
     calls = assert_same_bits(None, "bfloat16", prompts=prompts, quantization="gguf",
                              params={"max_new_tokens": 8})
     assert calls >= 7
+
+
+def test_a_model_off_the_cpu_never_builds_the_cpu_kernels(tiny_model_dir, monkeypatch) -> None:
+    """A GPU server's first forward must not compile the CPU extension (a meta-device model
+    stands in for a GPU's here)."""
+    import radixserve.model.fused_decode as fused_decode
+
+    def refuse() -> None:
+        raise AssertionError("cpu_ext.load() called for a model off the CPU")
+
+    model = load_model(tiny_model_dir("llama"), torch.float32).model.to("meta")
+    monkeypatch.setattr(fused_decode.cpu_ext, "load", refuse)
+    fused = FusedDecode(model)
+    assert fused.ops is None and not fused.model_fits

@@ -50,14 +50,14 @@ class FusedDecode:
 
     def __init__(self, model: torch.nn.Module) -> None:
         """``model``: a model/decoder.py CausalLM."""
-        self.ops = cpu_ext.load()
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.ops = cpu_ext.load() if on_cpu else None  # never built for a GPU's model
         self.layers = model.model.layers
         info = self.layers[0].self_attn.info
         self.dims = [info.num_heads, info.num_kv_heads, info.head_dim]
         self.scaling = info.scaling
         self.eps = self.layers[0].input_layernorm.eps
         self.model_fits = (self.ops is not None and model.tp.size == 1
-                           and next(model.parameters()).device.type == "cpu"
                            and info.num_heads // info.num_kv_heads <= KERNEL_MAX_GROUP
                            and all(layer.self_attn.q_norm is None and layer.mlp.act is F.silu
                                    and layer.input_layernorm.eps == layer.post_attention_layernorm.eps == self.eps
