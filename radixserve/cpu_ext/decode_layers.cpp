@@ -38,7 +38,7 @@ constexpr int64_t LAYER_TENSORS = 18;
 constexpr int64_t LAYER_POOLS = 4;
 constexpr int64_t PLAN_TENSORS = 7;
 
-// How a layer's matmul runs (fused_decode.py's LINEAR_KINDS, the Python path's choice for the step's rows).
+// How a layer's matmul runs (fused_decode.py's kinds: the Python path's choice for the step's rows).
 enum Linear : int64_t { FLOAT_KERNEL = 0, FLOAT_TORCH = 1, INT8 = 2, INT8_Q8 = 3, INT4 = 4, INT4_Q8 = 5 };
 
 // x times the weight of tensors t[0..2], plus the bias t[3] where it has elements: as

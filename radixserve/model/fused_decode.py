@@ -19,14 +19,16 @@ import torch.nn.functional as F
 from radixserve import cpu_ext
 from radixserve.attention.paged_plan import KernelPlan
 from radixserve.attention.torch_backend import KERNEL_MAX_GROUP
-from radixserve.quantization import KERNEL_MAX_ROWS, Int4Weight, Int8Weight, weights_changes
+from radixserve.quantization import KERNEL_MAX_ROWS, QuantizedWeight, weights_changes
 from radixserve.quantization.float_linear import kernel_takes
 
 if TYPE_CHECKING:
     from radixserve.batch import ForwardBatch
 
-# How DecodeLayers runs a matmul (decode_layers.cpp's Linear).
-FLOAT_KERNEL, FLOAT_TORCH, INT8, INT8_Q8, INT4, INT4_Q8 = range(6)
+# How DecodeLayers runs a matmul (decode_layers.cpp's Linear): a float weight through the C++
+# loop or torch, a quantized one through the kernel its kernel_args name.
+FLOAT_KERNEL, FLOAT_TORCH = 0, 1
+QUANTIZED_KINDS = {"int8_linear": 2, "int8_linear_q8": 3, "int4_linear": 4, "int4_linear_q8": 5}
 _EMPTY = torch.empty(0)
 
 
@@ -34,11 +36,9 @@ def _linear_parts(module: torch.nn.Module) -> tuple[int | None, list[torch.Tenso
     """A layer's matmul as DecodeLayers takes it: its kind (None: a float weight, whose kind
     depends on the step's rows) and its weight tensors then bias; None if it cannot."""
     w, bias = module.weight, module.bias if module.bias is not None else _EMPTY
-    if isinstance(w, Int4Weight):
-        return (INT4_Q8 if w.int8_activations else INT4), [w.qs, w.d, w.m, bias]
-    if isinstance(w, Int8Weight):
-        offset = w.offset if w.offset is not None else _EMPTY
-        return (INT8_Q8 if w.int8_activations else INT8), [w.q, w.scale, offset, bias]
+    if isinstance(w, QuantizedWeight):
+        name, tensors = w.kernel_args()
+        return (QUANTIZED_KINDS[name], [*tensors, bias]) if name in QUANTIZED_KINDS and len(tensors) == 3 else None
     if isinstance(w, torch.Tensor) and w.dim() == 2:
         return None, [w, _EMPTY, _EMPTY, bias]
     return None

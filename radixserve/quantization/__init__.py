@@ -42,6 +42,7 @@ from torch import nn
 
 from radixserve import cpu_ext
 from radixserve.config import INT8_ACTIVATION_MODES, QUANTIZATIONS
+from radixserve.profiler_scopes import scope
 from radixserve.quantization.float_linear import float_linear
 from radixserve.quantization.weights import (
     BLOCK4,
@@ -64,9 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     """``F.linear`` for a float or a quantized weight: a quantized one through its kernels, a
     float one through :func:`float_linear` (the C++ loop where it beats torch on this CPU).
     Under torch's profiler each call is a :data:`LINEAR_SCOPE` range (scheduler/profiling.py)."""
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return _linear(x, weight, bias)
-    with torch.profiler.record_function(LINEAR_SCOPE):
+    with scope(LINEAR_SCOPE):
         return _linear(x, weight, bias)
 
 

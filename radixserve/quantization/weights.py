@@ -30,9 +30,15 @@ class QuantizedWeight:
         """Write the float weight into ``out`` (``[N, K]``, the matmul's dtype)."""
         out.copy_(self.dequantized(out.dtype))
 
+    def kernel_args(self) -> tuple[str, tuple[torch.Tensor, ...]]:
+        """The C++ kernel a few rows go through (its name in cpu_ext) and the weight's tensors it
+        takes after x: what :meth:`kernel_matmul` calls, and model/fused_decode.py too."""
+        raise NotImplementedError
+
     def kernel_matmul(self, ops: object, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` for a few rows through the C++ kernel, in x's dtype (float32 sums rounded once)."""
-        raise NotImplementedError
+        name, tensors = self.kernel_args()
+        return getattr(ops, name)(x, *tensors)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids``, dequantized to float32 (``[len(ids), K]``)."""
@@ -105,9 +111,8 @@ class Int8Weight(QuantizedWeight):
     def dequantize_into(self, out: torch.Tensor) -> None:
         cpu_ext.load().int8_dequant_(self.q, self.scale, self._offset_arg(), out)
 
-    def kernel_matmul(self, ops: object, x: torch.Tensor) -> torch.Tensor:
-        kernel = ops.int8_linear_q8 if self.int8_activations else ops.int8_linear
-        return kernel(x, self.q, self.scale, self._offset_arg())
+    def kernel_args(self) -> tuple[str, tuple[torch.Tensor, ...]]:
+        return ("int8_linear_q8" if self.int8_activations else "int8_linear"), (self.q, self.scale, self._offset_arg())
 
     def _offset_arg(self) -> torch.Tensor:
         return _NO_OFFSET if self.offset is None else self.offset
@@ -171,9 +176,8 @@ class Int4Weight(QuantizedWeight):
     def dequantize_into(self, out: torch.Tensor) -> None:
         cpu_ext.load().int4_dequant_(self.qs, self.d, self.m, out)
 
-    def kernel_matmul(self, ops: object, x: torch.Tensor) -> torch.Tensor:
-        kernel = ops.int4_linear_q8 if self.int8_activations else ops.int4_linear
-        return kernel(x, self.qs, self.d, self.m)
+    def kernel_args(self) -> tuple[str, tuple[torch.Tensor, ...]]:
+        return ("int4_linear_q8" if self.int8_activations else "int4_linear"), (self.qs, self.d, self.m)
 
     def rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         qs, d, m = (self.qs, self.d, self.m) if ids is None else (self.qs[ids], self.d[ids], self.m[ids])
