@@ -36,7 +36,7 @@ def _q8_int4_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """d dx sum (q - 8) xq + (m + 8 d) sum x."""
     halves = w.qs.view(w.qs.shape[0], -1, BLOCK4 // 2)
     q = torch.cat([halves & 15, halves >> 4], dim=2).view(w.qs.shape[0], -1).double() - 8
-    return _q8_reference(x, q, w.d, w.m + 8 * w.d)
+    return _q8_reference(x, q, w.d.float(), w.m.float() + 8 * w.d.float())
 
 
 @needs_vnni

@@ -40,18 +40,20 @@ def test_int4_rounding_is_within_half_a_step_of_each_block() -> None:
     w = _weight(37, 3 * BLOCK4)
     q = Int4Weight.quantize(w)
     assert q.qs.shape == (37, 3 * BLOCK4 // 2) and q.d.shape == q.m.shape == (37, 3)
-    step = q.d.repeat_interleave(BLOCK4, dim=1)
+    assert q.d.dtype == q.m.dtype == torch.float16  # as a GGUF's Q4_1 block holds them
+    step = q.d.float().repeat_interleave(BLOCK4, dim=1)
     err = (q.dequantized(torch.float32) - w).abs()
     # half a step, plus what rounding d and m to float16 moves the grid (15 steps of d's error)
-    assert (err <= 0.5 * step + 16 * 2**-11 * (step + q.m.abs().repeat_interleave(BLOCK4, dim=1))).all()
-    assert q.nbytes == 37 * 3 * (16 + 8)
+    assert (err <= 0.5 * step + 16 * 2**-11 * (step + q.m.float().abs().repeat_interleave(BLOCK4, dim=1))).all()
+    assert q.nbytes == 37 * 3 * (16 + 4)  # 16 bytes of nibbles, d and m 2 bytes each
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, KERNEL_MAX_ROWS])
-@pytest.mark.parametrize("n, k", [(5, BLOCK4), (130, 18 * BLOCK4)])
+@pytest.mark.parametrize("n, k", [(5, BLOCK4), (130, 18 * BLOCK4), (9, 16 * BLOCK4), (6, 70 * BLOCK4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
-    """Every output-row tail (NB), input-row tail (4, 2 and 1 rows a pass) and block."""
+    """Every output-row tail (NB), input-row tail (4, 2 and 1 rows a pass) and block; the
+    float16 scales widened 16 at a time, with and without a tail, across the 64-block span."""
     q = Int4Weight.quantize(_weight(n, k, seed=rows))
     x = torch.randn((rows, k), generator=torch.Generator().manual_seed(7)).to(dtype)
     ref = x.double() @ q.dequantized(torch.float32).double().T
@@ -70,6 +72,10 @@ def test_int4_many_rows_dequantize_into_the_shared_buffer(dtype: torch.dtype) ->
     out = torch.empty((70, 4 * BLOCK4), dtype=dtype)
     OPS.int4_dequant_(q.qs, q.d, q.m, out)
     assert torch.equal(out, q.dequantized(dtype))
+    wide = Int4Weight.quantize(_weight(3, 37 * BLOCK4))  # 16 + 16 + a tail of 5 scales a row
+    out = torch.empty((3, 37 * BLOCK4), dtype=dtype)
+    OPS.int4_dequant_(wide.qs, wide.d, wide.m, out)
+    assert torch.equal(out, wide.dequantized(dtype))
     for rows in (KERNEL_MAX_ROWS + 1, 64):  # past the kernel: the float matmul on the buffer
         x = torch.randn((rows, 4 * BLOCK4)).to(dtype)
         torch.testing.assert_close(q.matmul(x), x @ q.dequantized(dtype).T)
@@ -93,12 +99,30 @@ def test_bfloat16_dequantization_rounds_ties_to_even() -> None:
     assert torch.equal(out8, q8.dequantized(torch.float32).to(torch.bfloat16))
 
 
+def test_int4_subnormal_float16_scales_are_widened_exactly() -> None:
+    """d and m below float16's smallest normal (2^-14), as the smallest blocks of a GGUF hold."""
+    n, k = 5, 20 * BLOCK4
+    q = torch.arange(n * k).remainder(16).to(torch.uint8).view(n, k // BLOCK4, BLOCK4)
+    d = (torch.arange(n * (k // BLOCK4)).view(n, -1) % 7 + 1) * 2.0**-24
+    m = -(torch.arange(n * (k // BLOCK4)).view(n, -1) % 5) * 2.0**-22
+    w = Int4Weight((q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2), d, m, torch.float32)
+    assert torch.equal(w.d.float(), d) and torch.equal(w.m.float(), m)  # representable as stored
+    out = torch.empty((n, k))
+    OPS.int4_dequant_(w.qs, w.d, w.m, out)
+    assert torch.equal(out, w.dequantized(torch.float32))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(OPS.int4_linear(x, w.qs, w.d, w.m).double(),
+                               x.double() @ out.double().T, rtol=1e-5, atol=1e-12)
+
+
 def test_int4_rows_and_bad_shapes() -> None:
     q = Int4Weight.quantize(_weight(9, 2 * BLOCK4))
     ids = torch.tensor([8, 0, 3])
     assert torch.equal(q.embedding(ids), q.dequantized(torch.float32)[ids])
     with pytest.raises(RuntimeError, match="d and m must be"):
         OPS.int4_linear(torch.randn(1, 2 * BLOCK4), q.qs, q.d[:, :1], q.m)
+    with pytest.raises(RuntimeError, match=r"d and m must be .* float16"):
+        OPS.int4_linear(torch.randn(1, 2 * BLOCK4), q.qs, q.d.float(), q.m)
     with pytest.raises(RuntimeError, match="qs must be"):
         OPS.int4_linear(torch.randn(1, 3 * BLOCK4), q.qs, q.d, q.m)
     with pytest.raises(ValueError, match="divisible by 32"):

@@ -13,10 +13,17 @@
 // asymmetric groups; none for a GGUF's Q8_0) converted to float in registers, so a step reads about a quarter of a float32 weight's bytes.  Rows of x are taken MT at a time and output
 // rows NB at a time, so each weight vector loaded feeds MT products and each x vector NB.
 //
-// 4-bit: blocks of 32 weights along K, w = d * q + m with q in [0, 15] and d, m float16 values
-// (llama.cpp's Q4_1; its Q4_0 is m = -8 d) kept as float32, so that a block's scale is one
-// broadcast load (a float16 conversion per block and output row cost a third of the time at one
-// row); 6 bits a weight, each block expanded to floats in registers.
+// 4-bit: blocks of 32 weights along K, w = d * q + m with q in [0, 15] and d, m float16 (llama.cpp's
+// Q4_1; its Q4_0 is m = -8 d): 5 bits a weight, each block expanded to floats in registers.  The
+// d and m of a tile's rows are widened to float 16 blocks per vector instruction into a buffer
+// the block loop broadcasts from (a scalar conversion per block and output row had cost a third
+// of the time at one row).  Against float32 d and m (6 bits a weight): the default model's 210
+// 4-bit matrices 66 MB instead of 80, at one row on the 2-core AVX-512 CPU within the noise of
+// the same time: a 1536 x 576 weight kept in L2 took 28 us, streamed 55, and asking for the
+// next rows 1-16 tiles ahead (or into L2 only) changed nothing, so the loop waits on the memory's
+// latency more than on its bytes.  A lookup of each nibble's value
+// d * i + m in a 16-float table (one shuffle a vector instead of a conversion and a
+// multiply-add) gave nothing measurable, and is not used.
 // Many rows (a prefill) go another way (radixserve/quantization/): the weight is dequantized
 // once per call and multiplied by torch's own float matmul, which this loop cannot beat there.
 
@@ -41,7 +48,7 @@ constexpr int NB = 4;  // output rows per pass
 constexpr int MT = 2;  // input rows per pass
 // An int8 weight's group (weights per scale along K) is a runtime value, a whole number of
 // vectors: 64 for --quantization int8, 32 for a GGUF Q8_0 tensor (radixserve/quantization/).
-constexpr int BLOCK4 = 32;  // weights per 4-bit block: d and m (float32), 16 bytes of nibbles
+constexpr int BLOCK4 = 32;  // weights per 4-bit block: d and m (float16), 16 bytes of nibbles
 
 // W int8 -> W floats: sign extension and conversion (a direct vector conversion of int8 lanes is
 // lowered to byte-wise scalar moves by GCC).
@@ -57,10 +64,19 @@ inline vf load_int8(const int8_t* p) {
 #endif
 }
 
+// Halves added until one lane is left (log2 W shuffles, not W dependent scalar adds).
 inline float lane_sum(vf a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)a);
+#elif defined(__AVX__)
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+#else
   float s = 0.f;
   for (int l = 0; l < W; ++l) s += a[l];
   return s;
+#endif
 }
 
 // Input rows [m, m + MT) times output rows [n, n + nb) (nb <= NB; the rows past nb repeat the
@@ -168,28 +184,38 @@ constexpr int MT4 = 2;
 #endif
 
 // Input rows [m, m + MT) times output rows [n, n + nb) of a 4-bit weight: qs [N][K / 2] bytes,
-// d and mins [N][K / 32] float32.  One weight vector of NB rows at a time, expanded once for the
-// MT input rows.
+// d and mins [N][K / 32] float16 bits.  One weight vector of NB rows at a time, expanded once for
+// the MT input rows; the scales of SPAN blocks of the NB rows widened to float first.
 template <int MT>
-inline void int4_tile(const float* x, const uint8_t* qs, const float* d, const float* mins, float* y, int64_t K,
-                      int64_t N, int64_t m, int64_t n, int nb) {
+inline void int4_tile(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins, float* y,
+                      int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
   constexpr int V = BLOCK4 / W;  // vectors per block
+  constexpr int64_t SPAN = 64;
   const int64_t blocks = K / BLOCK4;
   int64_t row[NB];
   for (int i = 0; i < NB; ++i) row[i] = n + std::min(i, nb - 1);
   vf acc[MT][NB] = {};
-  for (int64_t g = 0; g < blocks; ++g) {
-    vf dv[NB], mv[NB];
+  float ds[NB][SPAN], ms[NB][SPAN];
+  for (int64_t g0 = 0; g0 < blocks; g0 += SPAN) {
+    const int64_t span = std::min(SPAN, blocks - g0);
     for (int i = 0; i < NB; ++i) {
-      dv[i] = splat_as<vf>(d[row[i] * blocks + g]);
-      mv[i] = splat_as<vf>(mins[row[i] * blocks + g]);
+      widen_halves(d + row[i] * blocks + g0, span, ds[i]);
+      widen_halves(mins + row[i] * blocks + g0, span, ms[i]);
     }
-    for (int c = 0; c < V; ++c) {
-      vf wv[NB];
-      for (int i = 0; i < NB; ++i) wv[i] = block4_vector(qs + row[i] * (K / 2) + g * 16, c, dv[i], mv[i]);
-      for (int j = 0; j < MT; ++j) {
-        const vf xv = loadw(x + (m + j) * K + g * BLOCK4 + c * W);
-        for (int i = 0; i < NB; ++i) acc[j][i] += xv * wv[i];
+    for (int64_t b = 0; b < span; ++b) {
+      const int64_t g = g0 + b;
+      vf dv[NB], mv[NB];
+      for (int i = 0; i < NB; ++i) {
+        dv[i] = splat_as<vf>(ds[i][b]);
+        mv[i] = splat_as<vf>(ms[i][b]);
+      }
+      for (int c = 0; c < V; ++c) {
+        vf wv[NB];
+        for (int i = 0; i < NB; ++i) wv[i] = block4_vector(qs + row[i] * (K / 2) + g * 16, c, dv[i], mv[i]);
+        for (int j = 0; j < MT; ++j) {
+          const vf xv = loadw(x + (m + j) * K + g * BLOCK4 + c * W);
+          for (int i = 0; i < NB; ++i) acc[j][i] += xv * wv[i];
+        }
       }
     }
   }
@@ -201,25 +227,28 @@ inline void int4_tile(const float* x, const uint8_t* qs, const float* d, const f
 // The 4-bit rows of the tile after [n, n + nb), up to n1, asked for ahead: a tile's rows are
 // short (K / 2 bytes of nibbles, K / 8 of scales); this took a one-row step's 4-bit layers from
 // 8.2 to 7.8 ms on Zen 4.
-inline void prefetch_next_int4(const uint8_t* qs, const float* d, const float* mins, int64_t K, int64_t n, int nb,
-                               int64_t n1) {
+inline void prefetch_next_int4(const uint8_t* qs, const uint16_t* d, const uint16_t* mins, int64_t K, int64_t n,
+                               int nb, int64_t n1) {
   const int64_t blocks = K / BLOCK4, ahead = std::min<int64_t>(NB, n1 - n - nb);
   if (ahead > 0) {
     prefetch_range(qs + (n + nb) * (K / 2), ahead * (K / 2));
-    prefetch_range(d + (n + nb) * blocks, ahead * blocks * 4);
-    prefetch_range(mins + (n + nb) * blocks, ahead * blocks * 4);
+    prefetch_range(d + (n + nb) * blocks, ahead * blocks * 2);
+    prefetch_range(mins + (n + nb) * blocks, ahead * blocks * 2);
   }
 }
 
-void int4_rows(const float* x, const uint8_t* qs, const float* d, const float* mins, float* y, int64_t M,
+void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins, float* y, int64_t M,
                int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
     prefetch_next_int4(qs, d, mins, K, n, nb, n1);
     int64_t m = 0;
     for (; m + MT4 <= M; m += MT4) int4_tile<MT4>(x, qs, d, mins, y, K, N, m, n, nb);
-    for (; m + 2 <= M; m += 2) int4_tile<2>(x, qs, d, mins, y, K, N, m, n, nb);
-    for (; m < M; ++m) int4_tile<1>(x, qs, d, mins, y, K, N, m, n, nb);
+    // the rows left in one pass: each pass expands the weights again (3 rows as 2 + 1 had
+    // taken 1.5x the time of 2 rows)
+    if (MT4 > 3 && M - m == 3) int4_tile<3>(x, qs, d, mins, y, K, N, m, n, nb);
+    if (M - m == 2) int4_tile<2>(x, qs, d, mins, y, K, N, m, n, nb);
+    if (M - m == 1) int4_tile<1>(x, qs, d, mins, y, K, N, m, n, nb);
   }
 }
 
@@ -236,7 +265,7 @@ void int4_rows(const float* x, const uint8_t* qs, const float* d, const float* m
 // four at a time: x is laid out per group of four blocks as 64 bytes of their low halves' xq
 // (weights 0-15 of each) then 64 of the high ones' (16-31), the nibbles' order (byte j & 15,
 // byte j >> 4), so that 32-bit lane i of the sums belongs to block i / 4.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RADIXSERVE_Q8_DOT 1
 constexpr int G4 = 4;  // blocks per group
 
@@ -281,10 +310,15 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
 // block scale, `centre` what multiplies the exact sum of x (per lane).
 const __m512i kSpread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
 
+// The first `lanes` (at most 4) of four float16 values as floats in lanes 0-3.
+inline __m512 halves4(__mmask16 lanes, const uint16_t* p) {
+  return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(lanes), p)));
+}
+
 // 4-bit blocks (w = d q + m): q - 8 and m + 8 d, the weight's value at q = 8.
 struct NibbleRows {
   const uint8_t* qs;
-  const float *d, *mins;
+  const uint16_t *d, *mins;  // float16 bits
   int64_t K;
   void group(int64_t r, int64_t g, int, __mmask64 bytes, __mmask16 lanes, __m512i& lo, __m512i& hi,
              __m512& scale, __m512& centre) const {
@@ -293,9 +327,8 @@ struct NibbleRows {
     const __m512i packed = _mm512_maskz_loadu_epi8(bytes, qs + r * (K / 2) + g * 64);
     lo = _mm512_maskz_sub_epi8(bytes, _mm512_and_si512(packed, low4), eight);
     hi = _mm512_maskz_sub_epi8(bytes, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), eight);
-    scale = _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, d + r * blocks + g * G4));
-    centre = _mm512_fmadd_ps(scale, _mm512_set1_ps(8.f),
-                             _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, mins + r * blocks + g * G4)));
+    scale = _mm512_permutexvar_ps(kSpread, halves4(lanes, d + r * blocks + g * G4));
+    centre = _mm512_fmadd_ps(scale, _mm512_set1_ps(8.f), _mm512_permutexvar_ps(kSpread, halves4(lanes, mins + r * blocks + g * G4)));
   }
 };
 
@@ -366,8 +399,9 @@ void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int6
     prefetch(n, nb);
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) q8_tile<Rows, 4>(x, w, y, K, N, m, n, nb);
-    for (; m + 2 <= M; m += 2) q8_tile<Rows, 2>(x, w, y, K, N, m, n, nb);
-    for (; m < M; ++m) q8_tile<Rows, 1>(x, w, y, K, N, m, n, nb);
+    if (M - m == 3) q8_tile<Rows, 3>(x, w, y, K, N, m, n, nb);  // the rows left in one pass
+    if (M - m == 2) q8_tile<Rows, 2>(x, w, y, K, N, m, n, nb);
+    if (M - m == 1) q8_tile<Rows, 1>(x, w, y, K, N, m, n, nb);
   }
 }
 #else
@@ -653,22 +687,22 @@ void check_int4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& min
               what, ": qs must be [N, K / 2] uint8 and K a multiple of ", BLOCK4);
   const int64_t N = qs.size(0);
   for (const at::Tensor* t : {&d, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
                     t->size(1) == K / BLOCK4,
-                what, ": d and m must be [N, K / ", BLOCK4, "] float32");
+                what, ": d and m must be [N, K / ", BLOCK4, "] float16");
 }
 
 }  // namespace
 
 // x: [M, K] float32 / bfloat16 / float16; the weight [N, K] in 4-bit blocks of 32 (w = d * q + m):
-// qs [N, K / 2] uint8, d and mins [N, K / 32] float32 (float16 values).  Returns [M, N] in x's dtype.
+// qs [N, K / 2] uint8, d and mins [N, K / 32] float16.  Returns [M, N] in x's dtype.
 at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins) {
   TORCH_CHECK(x.dim() == 2, "int4_linear: x [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
   check_int4(qs, d, mins, K, "int4_linear");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   return few_row_matmul(x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1) {
     int4_rows(xp, qp, dp, mp, yp, M, K, N, n0, n1);
   });
@@ -682,8 +716,8 @@ at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor 
   check_int4(qs, d, mins, K, "int4_linear_q8");
 #if RADIXSERVE_Q8_DOT
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const NibbleRows w{qp, dp, mp, K};
   return q8_matmul(x, N, [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
     q8_rows(rows, w, yp, M, K, N, n0, n1, [&](int64_t n, int nb) { prefetch_next_int4(qp, dp, mp, K, n, nb, n1); });
@@ -703,20 +737,24 @@ void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out)
   const int64_t N = out.size(0), K = out.size(1);
   check_int4(qs, d, mins, K, "int4_dequant_");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const int64_t blocks = K / BLOCK4;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int4_dequant_", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n)
+      std::vector<float> ds(blocks), ms(blocks);
+      for (int64_t n = n0; n < n1; ++n) {
+        widen_halves(dp + n * blocks, blocks, ds.data());
+        widen_halves(mp + n * blocks, blocks, ms.data());
         for (int64_t g = 0; g < blocks; ++g) {
-          const vf dv = splat_as<vf>(dp[n * blocks + g]), mv = splat_as<vf>(mp[n * blocks + g]);
+          const vf dv = splat_as<vf>(ds[g]), mv = splat_as<vf>(ms[g]);
           vf wv[BLOCK4 / W];
           for (int c = 0; c < BLOCK4 / W; ++c) wv[c] = block4_vector(qp + n * (K / 2) + g * 16, c, dv, mv);
           scalar_t* dst = op + n * K + g * BLOCK4;
           for (int c = 0; c < BLOCK4 / W; ++c) store_elems(dst + c * W, wv[c]);
         }
+      }
     });
   });
 }

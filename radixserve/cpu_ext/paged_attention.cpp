@@ -92,7 +92,6 @@ inline void convert_row(const T* src, float* dst, int n) {
 // bfloat16 -> float is a 16-bit shift: 16 lanes at a time (n is a multiple of 16).
 template <>
 inline void convert_row<at::BFloat16>(const at::BFloat16* src, float* dst, int n) {
-  typedef uint16_t v16h __attribute__((vector_size(32)));
   for (int i = 0; i < n; i += 16) {
     v16h h;
     std::memcpy(&h, src + i, sizeof(h));
@@ -110,29 +109,6 @@ struct Fp8E5M2 {
 };
 
 typedef uint8_t v16b __attribute__((vector_size(16)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-// 16 half-precision bit patterns as floats (exact, subnormals included).
-inline v16 halves_to_float(v16h h) {
-  v16 f;
-#if defined(__AVX512F__)
-  __m256i x;
-  std::memcpy(&x, &h, sizeof(x));
-  const __m512 y = _mm512_cvtph_ps(x);
-  std::memcpy(&f, &y, sizeof(f));
-#elif defined(__F16C__)
-  __m128i lo, hi;
-  std::memcpy(&lo, &h, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&h) + 16, sizeof(hi));
-  const __m256 a = _mm256_cvtph_ps(lo), b = _mm256_cvtph_ps(hi);
-  std::memcpy(&f, &a, sizeof(a));
-  std::memcpy(reinterpret_cast<char*>(&f) + 32, &b, sizeof(b));
-#else
-  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
-#endif
-  return f;
-}
-
 // fp8 bytes as floats, 16 at a time through the half converter.  e5m2 is the top byte of a
 // half (same exponent bias).  e4m3 (bias 7) shifted into a half's exponent and mantissa fields
 // reads as the value times 2^-8, subnormals included, so the half is scaled by 2^8 after.  The

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <c10/util/Half.h>
+
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -30,8 +32,25 @@ constexpr int W = 8;
 typedef float vf __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
 
+// x in every lane, by the broadcast intrinsic: a load-port broadcast where x is in memory.  Not
+// `V{} + x`: the compiler may not drop the + 0.0 (it turns -0.0 into +0.0), so that was an add and
+// a register broadcast (a shuffle) a call, 4 of the 4-bit kernel's 13 vector operations per block
+// and output row (d and m); nor a per-lane loop, which GCC builds lane by lane under AVX-512.
 template <typename V>
 inline V splat_as(float x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return (V)_mm512_set1_ps(x);
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(V) == 32) return (V)_mm256_set1_ps(x);
+  if constexpr (sizeof(V) == 64) {
+    const __m256 h = _mm256_set1_ps(x);
+    V v;
+    std::memcpy(&v, &h, sizeof(h));
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(h), &h, sizeof(h));
+    return v;
+  }
+#endif
   return V{} + x;
 }
 inline v16 splat(float x) { return splat_as<v16>(x); }
@@ -51,6 +70,49 @@ inline void store_as(float* p, V v) {
 }
 inline void store16(float* p, v16 v) { store_as(p, v); }
 inline void storew(float* p, vf v) { store_as(p, v); }
+
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+// 16 half-precision bit patterns as floats (exact, subnormals included).
+inline v16 halves_to_float(v16h h) {
+  v16 f;
+#if defined(__AVX512F__)
+  __m256i x;
+  std::memcpy(&x, &h, sizeof(x));
+  const __m512 y = _mm512_cvtph_ps(x);
+  std::memcpy(&f, &y, sizeof(f));
+#elif defined(__F16C__)
+  __m128i lo, hi;
+  std::memcpy(&lo, &h, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&h) + 16, sizeof(hi));
+  const __m256 a = _mm256_cvtph_ps(lo), b = _mm256_cvtph_ps(hi);
+  std::memcpy(&f, &a, sizeof(a));
+  std::memcpy(reinterpret_cast<char*>(&f) + 32, &b, sizeof(b));
+#else
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
+#endif
+  return f;
+}
+
+// n half-precision bit patterns from src as floats into dst (a 4-bit weight's d and m per
+// block, linear_ops.cpp), 16 at a time; the tail by a masked load (AVX-512) or one at a time.
+inline void widen_halves(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16h h;
+    std::memcpy(&h, src + i, sizeof(h));
+    store16(dst + i, halves_to_float(h));
+  }
+  if (i == n) return;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  _mm512_mask_storeu_ps(dst + i, tail, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, src + i)));
+#elif defined(__F16C__)
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+#else
+  for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+#endif
+}
 
 // e^x for any float vector type, relative error ~2e-7 (Taylor to degree 7 after range
 // reduction); x below -87 -> 0, x above 88 -> e^88.

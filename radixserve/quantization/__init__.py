@@ -9,7 +9,7 @@ Modes (:data:`radixserve.config.QUANTIZATIONS`):
   such a group, so it keeps them almost exactly.  The kernel ran 0-30% slower than symmetric
   groups of 64 on the model's shapes (Zen 4).
 - ``int4``: 4-bit blocks of 32 weights, ``w = d * q + m`` (llama.cpp's Q4_1 scheme,
-  :class:`Int4Weight`), 6 bits a weight as kept here; the LM head in int8 (a scale per 32).
+  :class:`Int4Weight`), 5 bits a weight (d and m float16); the LM head in int8 (a scale per 32).
 - ``gguf``: a GGUF model's Q4_0 / Q4_1 / Q8_0 tensors served as stored (gguf_blocks.py), the
   same weights float32 computes with in a quarter to a sixth of the bytes.
 - ``auto`` (the default): ``gguf`` for a GGUF model with such tensors on a CPU, else ``none``:
@@ -54,7 +54,7 @@ from radixserve.quantization.weights import (
 )
 
 __all__ = ["BLOCK4", "GROUP", "KERNEL_MAX_ROWS", "LINEAR_SCOPE", "Int4Weight", "Int8Weight", "QuantizedWeight", "linear",
-           "quantize_model", "weights_changes"]
+           "mark_weights_changed", "quantize_model", "weights_changes"]
 
 log = logging.getLogger("radixserve")
 
@@ -99,6 +99,11 @@ def weights_changes() -> int:
     return _changes[0]
 
 
+def mark_weights_changed() -> None:
+    """Count one more change of the model's weights (see :func:`weights_changes`)."""
+    _changes[0] += 1
+
+
 def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, int8_activations: bool = False) -> None:
     """Replace, in place, the weight of every linear layer that has one (and of a tied
     embedding) by its quantized form.  ``mode`` is one of :data:`QUANTIZATIONS` (``auto``
@@ -113,7 +118,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
             raise ValueError("int8_activations needs quantized weights (quantization int4, gguf or int8) and a "
                              f"CPU with AVX-512 VNNI (quantization {mode}; the kernels "
                              f"{'did not build' if ops is None else 'were built without it'})")
-    _changes[0] += 1  # before anything changes: a failure half way still counts
+    mark_weights_changed()  # before anything changes: a failure half way still counts
     _quantize(model, mode, gguf_path)
     taking = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), Int4Weight) or (
         isinstance(getattr(m, "weight", None), Int8Weight) and m.weight.group == BLOCK4)]

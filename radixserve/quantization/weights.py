@@ -135,8 +135,8 @@ _NO_OFFSET = torch.empty(0)  # the kernels' "no offsets" (symmetric groups)
 
 class Int4Weight(QuantizedWeight):
     """4-bit blocks of :data:`BLOCK4` weights along a row, ``w = d * q + m`` with ``q`` in
-    [0, 15] and ``d``, ``m`` float16 values per block (kept as float32: one broadcast load each in
-    the kernel): llama.cpp's Q4_1, and its Q4_0 with ``m = -8 d``.
+    [0, 15] and ``d``, ``m`` float16 per block (5 bits a weight, the bytes llama.cpp's Q4_1 reads):
+    llama.cpp's Q4_1, and its Q4_0 with ``m = -8 d``.
     ``qs`` keeps a block's 32 values in 16 bytes as llama.cpp does (byte j: value j in the low
     nibble, value j + 16 in the high one), so a GGUF tensor's blocks are taken as they are."""
 
@@ -147,9 +147,9 @@ class Int4Weight(QuantizedWeight):
             raise ValueError(f"int4 weight: qs [N, K / 2] uint8, d and m [N, K / {BLOCK4}], got "
                              f"{tuple(qs.shape)} {qs.dtype}, {tuple(d.shape)}, {tuple(m.shape)}")
         self.qs = qs.contiguous()
-        # float16 values: d * q is then exact in float32 (the kernel's one rounding)
-        self.d = d.to(torch.float16).float().contiguous()
-        self.m = m.to(torch.float16).float().contiguous()
+        # float16: d * q is then exact in float32 (the kernel's one rounding)
+        self.d = d.to(torch.float16).contiguous()
+        self.m = m.to(torch.float16).contiguous()
         self.dtype, self.shape = dtype, torch.Size((n, k))
         self.int8_activations = False  # kernel rows through int4_linear_q8 (quantize_model sets it)
 
@@ -185,11 +185,11 @@ class Int4Weight(QuantizedWeight):
         blocks = qs.view(n, -1, BLOCK4 // 2)
         q = torch.cat([blocks & 15, blocks >> 4], dim=2).float()
         # d * q is exact in float32 (float16 d, 4-bit q): one rounding, as the C++ kernel's FMA
-        return torch.addcmul(m[:, :, None], q, d[:, :, None]).view(n, -1)
+        return torch.addcmul(m[:, :, None].float(), q, d[:, :, None].float()).view(n, -1)
 
     @property
     def nbytes(self) -> int:
-        return self.qs.numel() + 4 * (self.d.numel() + self.m.numel())
+        return self.qs.numel() + 2 * (self.d.numel() + self.m.numel())
 
 
 _SCRATCH: dict[tuple[torch.Size, torch.dtype], torch.Tensor] = {}

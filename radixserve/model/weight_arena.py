@@ -1,0 +1,90 @@
+"""A CPU model's weights moved into one block of memory backed by 2 MB pages.
+
+A decode step streams every weight once, a few hundred KB per matmul.  Allocated one tensor at
+a time, in 4 KB pages, the default model's 4-bit layers span ~20k pages: more than the CPU's
+second-level TLB holds, so the kernels wait on page walks besides the loads.  Here the weights
+are copied, in the order a forward reads them, into one anonymous mapping that asks the kernel
+for transparent huge pages (``madvise(MADV_HUGEPAGE)``; Linux's default THP mode ``madvise``
+grants them, ``never`` leaves 4 KB pages and only the order).  Measured on the 2-core AVX-512
+CPU, 200 distinct 4-bit 1536 x 576 weights at one row: int4_linear 54-58 us a weight in separate
+tensors, 49-50 us in the arena; int4_linear_q8 43-46 against 37-38.
+
+The values do not change: each tensor is replaced by a view of the arena holding a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+from torch import nn
+
+from radixserve.quantization import QuantizedWeight, mark_weights_changed
+
+log = logging.getLogger("radixserve")
+
+HUGE_PAGE = 2 * 2**20
+ALIGN = 64  # each tensor starts on a cache line
+
+
+def _owned(t: torch.Tensor) -> bool:
+    """A contiguous tensor that is its storage's only view (one that shares a storage with
+    others stays where it is: copying it would break the sharing)."""
+    return t.is_contiguous() and t.storage_offset() == 0 and (
+        t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _slots(model: nn.Module) -> list[tuple[object, str, torch.Tensor]]:
+    """(owner, attribute, tensor) of every weight, in the order the modules are registered (a
+    forward's order) with the embedding tables last: a step reads one row of those."""
+    first: list[tuple[object, str, torch.Tensor]] = []
+    last: list[tuple[object, str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        into = last if isinstance(module, nn.Embedding) else first
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                into.append((param, "data", param.data))
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, QuantizedWeight):
+            for name, t in vars(weight).items():
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    into.append((weight, name, t))
+    return [s for s in first + last if _owned(s[2]) and s[2].device.type == "cpu"]
+
+
+def _huge_page_block(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of anonymous memory starting on a 2 MB boundary, asked to be huge pages."""
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)  # holds a reference to the mapping
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Move the CPU weights of ``model`` into one huge-page block; returns its size in bytes."""
+    slots = _slots(model)
+    total = sum(_aligned(t.numel() * t.element_size()) for _, _, t in slots)
+    if not slots:
+        return 0
+    mark_weights_changed()  # what holds the old tensors (model/fused_decode.py) rebuilds
+    arena = _huge_page_block(total)
+    offset = 0
+    for owner, attribute, t in slots:
+        size = t.numel() * t.element_size()
+        view = arena[offset:offset + size].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        setattr(owner, attribute, view)
+        offset += _aligned(size)
+    log.info("weights in one %.0f MB block of memory (%d tensors, huge pages asked for)", total / 2**20,
+             len(slots))
+    return total
