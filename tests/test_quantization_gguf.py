@@ -62,6 +62,8 @@ def test_int4_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dt
     assert out.shape == (rows, n) and out.dtype == dtype and sums.dtype == torch.float32
     torch.testing.assert_close(sums.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, sums.to(dtype))  # x's dtype: each float32 sum rounded once
+    for r in range(rows):  # a row's sums do not depend on the rows beside it (drafts on or off)
+        assert torch.equal(OPS.int4_linear(x[r:r + 1].float(), q.qs, q.d, q.m), sums[r:r + 1])
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(linear(x, q).double(), ref, rtol=tol, atol=tol)
 
