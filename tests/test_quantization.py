@@ -59,7 +59,7 @@ def test_asymmetric_groups_span_their_own_range() -> None:
     torch.testing.assert_close(q.dequantized(torch.float32), grid, rtol=0, atol=0.005 * d)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("n, k", [(5, GROUP), (130, 9 * GROUP)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("asymmetric", [False, True])
@@ -74,6 +74,8 @@ def test_kernel_equals_the_dequantized_matmul(rows: int, n: int, k: int, dtype: 
     assert out.shape == (rows, n) and out.dtype == dtype and sums.dtype == torch.float32
     torch.testing.assert_close(sums, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, sums.to(dtype))  # x's dtype: each float32 sum rounded once
+    for r in range(rows):  # a row's sums do not depend on the rows beside it (drafts on or off)
+        assert torch.equal(q.kernel_matmul(OPS, x[r:r + 1].float()), sums[r:r + 1])
     torch.testing.assert_close(q.matmul(x).float(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
