@@ -24,9 +24,9 @@
 // 4-bit matrices 66 MB instead of 80, at one row on the 2-core AVX-512 CPU within the noise of
 // the same time: a 1536 x 576 weight kept in L2 took 28 us, streamed 55, and asking for the
 // next rows 1-16 tiles ahead (or into L2 only) changed nothing, so the loop waits on the memory's
-// latency more than on its bytes.  A lookup of each nibble's value
-// d * i + m in a 16-float table (one shuffle a vector instead of a conversion and a
-// multiply-add) gave nothing measurable, and is not used.
+// latency more than on its bytes.  A lookup of each nibble's value d * i + m in a 16-float table
+// (one shuffle a vector instead of a conversion and a multiply-add) gave nothing measurable, and
+// is not used.
 // Many rows (a prefill) go another way (radixserve/quantization/): the weight is dequantized
 // once per call and multiplied by torch's own float matmul, which this loop cannot beat there.
 
@@ -128,13 +128,35 @@ inline void int8_pairs(const float* x, const int8_t* w, const float* scale, cons
     int8_tile<MT, OFFSET, 2>(x, w, scale, offset, y, K, N, group, m, n + i, std::min(2, nb - i));
 }
 
-// Output rows [n0, n1) of every input row.
+#if defined(__AVX512F__)
+// M input rows as passes of 8 and one pass of the rest: `pass(rows, m)` for rows [m, m + rows),
+// `rows` a std::integral_constant (the tile's row count is a template argument).  With 32 vector
+// registers a pass of up to 8 rows over 2 output rows keeps its accumulators in registers, so each
+// weight vector is expanded once for every row of a step.
+template <typename Pass>
+inline void row_passes(int64_t M, const Pass& pass) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) pass(std::integral_constant<int, 8>{}, m);
+  switch (M - m) {
+    case 7: pass(std::integral_constant<int, 7>{}, m); break;
+    case 6: pass(std::integral_constant<int, 6>{}, m); break;
+    case 5: pass(std::integral_constant<int, 5>{}, m); break;
+    case 4: pass(std::integral_constant<int, 4>{}, m); break;
+    case 3: pass(std::integral_constant<int, 3>{}, m); break;
+    case 2: pass(std::integral_constant<int, 2>{}, m); break;
+    case 1: pass(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+#endif
+
 // Asks for the bytes [p, p + bytes) ahead of their use.
 inline void prefetch_range(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+// Output rows [n0, n1) of every input row.
 template <bool OFFSET>
 void int8_rows(const float* x, const int8_t* w, const float* scale, const float* offset, float* y, int64_t M,
                int64_t K, int64_t N, int64_t group, int64_t n0, int64_t n1) {
@@ -148,21 +170,14 @@ void int8_rows(const float* x, const int8_t* w, const float* scale, const float*
       prefetch_range(scale + (n + nb) * groups, ahead * groups * 4);
       if (OFFSET) prefetch_range(offset + (n + nb) * groups, ahead * groups * 4);
     }
-    int64_t m = 0;
 #if defined(__AVX512F__)
-    // up to 8 rows in one pass over 2 output rows at a time (as int4_rows)
-    for (; m + 8 <= M; m += 8) int8_pairs<8, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
-    switch (M - m) {
-      case 7: int8_pairs<7, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb); break;
-      case 6: int8_pairs<6, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb); break;
-      case 5: int8_pairs<5, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb); break;
-      case 4: int8_pairs<4, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb); break;
-      case 3: int8_pairs<3, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb); break;
-      case 2: int8_tile<2, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb); break;
-      case 1: int8_tile<1, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb); break;
-      default: break;
-    }
+    // 1-2 rows keep NB output rows a pass (as fast there; 3-8 rows: see row_passes)
+    row_passes(M, [&](auto rows, int64_t m) {
+      if constexpr (rows <= 2) int8_tile<rows, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
+      else int8_pairs<rows, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
+    });
 #else
+    int64_t m = 0;
     for (; m + MT <= M; m += MT) int8_tile<MT, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
     for (; m < M; ++m) int8_tile<1, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
 #endif
@@ -266,25 +281,14 @@ void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint1
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
     prefetch_next_int4(qs, d, mins, K, n, nb, n1);
-    int64_t m = 0;
 #if defined(__AVX512F__)
-    // Up to 8 rows (a verify step's) in one pass, over 2 output rows at a time: each weight
-    // vector expanded once for all of them.  Over the default model's 4-bit layers, against
-    // passes of at most 4 rows over 4 output rows: 8 rows 14.9 -> 10.3 ms, 7 rows 16.5 -> 8.8,
-    // 4 rows 7.2-7.5 -> 6.8-7.1, one row 4.4-4.8 -> 4.0-4.8.
-    for (; m + 8 <= M; m += 8) int4_pairs<8>(x, qs, d, mins, y, K, N, m, n, nb);
-    switch (M - m) {
-      case 7: int4_pairs<7>(x, qs, d, mins, y, K, N, m, n, nb); break;
-      case 6: int4_pairs<6>(x, qs, d, mins, y, K, N, m, n, nb); break;
-      case 5: int4_pairs<5>(x, qs, d, mins, y, K, N, m, n, nb); break;
-      case 4: int4_pairs<4>(x, qs, d, mins, y, K, N, m, n, nb); break;
-      case 3: int4_pairs<3>(x, qs, d, mins, y, K, N, m, n, nb); break;
-      case 2: int4_pairs<2>(x, qs, d, mins, y, K, N, m, n, nb); break;
-      case 1: int4_pairs<1>(x, qs, d, mins, y, K, N, m, n, nb); break;
-      default: break;
-    }
+    // Over the default model's 4-bit layers, against passes of at most 4 rows over 4 output rows:
+    // 8 rows (a verify step's) 14.9 -> 10.3 ms, 7 rows 16.5 -> 8.8, 4 rows 7.2-7.5 -> 6.8-7.1,
+    // one row 4.4-4.8 -> 4.0-4.8.
+    row_passes(M, [&](auto rows, int64_t m) { int4_pairs<rows>(x, qs, d, mins, y, K, N, m, n, nb); });
 #else
     // 16 vector registers: 2 input rows a pass over NB output rows
+    int64_t m = 0;
     for (; m + 2 <= M; m += 2) int4_tile<2>(x, qs, d, mins, y, K, N, m, n, nb);
     if (m < M) int4_tile<1>(x, qs, d, mins, y, K, N, m, n, nb);
 #endif
