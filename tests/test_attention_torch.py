@@ -262,6 +262,23 @@ def test_kernel_head_sizes_and_shared_extends(head_dim: int) -> None:
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("heads, kv", [(2, 2), (4, 2), (9, 3), (8, 2), (5, 1)])
+def test_kernel_few_row_tasks_in_bfloat16(heads: int, kv: int, head_dim: int) -> None:
+    """Decode rows of 1-4 query heads per KV head (and 5: the next chunk size) over a bfloat16
+    pool: the tasks of exactly that many rows, whose V pairs are formed in registers, in their
+    own order of head dimensions (a wrong order or lane mixes rows' values up).  One request
+    alone (its cached range split in parts), then with a short and a 2-token one."""
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    fresh = iter((torch.randperm(4000, generator=gen) + 1).tolist())
+    alone = [[next(fresh) for _ in range(700)]]
+    batch = [[next(fresh) for _ in range(n)] for n in (75, 33, 9)]
+    for rows, extend in ((alone, [1]), (batch, [1, 1, 2])):
+        out, ref, _ = _run_explicit(rows, extend, heads, kv, torch.bfloat16, seed=heads, path="kernel",
+                                    head_dim=head_dim)
+        torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+
+
 def test_kernel_plan_does_not_grow_with_the_cached_context() -> None:
     """The pool is read in place: the per-step plan holds O(new tokens + requests) integers,
     the same for 10 or 5000 cached tokens."""
