@@ -735,6 +735,9 @@ void check_int4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& min
                 what, ": d and m must be [N, K / ", BLOCK4, "] float16");
 }
 
+// A float16 tensor's elements as their bit patterns (the kernels widen them: widen_halves, halves4).
+inline const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
+
 }  // namespace
 
 // x: [M, K] float32 / bfloat16 / float16; the weight [N, K] in 4-bit blocks of 32 (w = d * q + m):
@@ -744,8 +747,8 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor min
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
   check_int4(qs, d, mins, K, "int4_linear");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  const uint16_t* dp = half_bits(d);
+  const uint16_t* mp = half_bits(mins);
   return few_row_matmul(x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1) {
     int4_rows(xp, qp, dp, mp, yp, M, K, N, n0, n1);
   });
@@ -759,8 +762,8 @@ at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor 
   check_int4(qs, d, mins, K, "int4_linear_q8");
 #if RADIXSERVE_Q8_DOT
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  const uint16_t* dp = half_bits(d);
+  const uint16_t* mp = half_bits(mins);
   const NibbleRows w{qp, dp, mp, K};
   return q8_matmul(x, N, [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
     q8_rows(rows, w, yp, M, K, N, n0, n1, [&](int64_t n, int nb) { prefetch_next_int4(qp, dp, mp, K, n, nb, n1); });
@@ -780,8 +783,8 @@ void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out)
   const int64_t N = out.size(0), K = out.size(1);
   check_int4(qs, d, mins, K, "int4_dequant_");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  const uint16_t* dp = half_bits(d);
+  const uint16_t* mp = half_bits(mins);
   const int64_t blocks = K / BLOCK4;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int4_dequant_", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
