@@ -8,6 +8,7 @@ import orjson
 import pytest
 import torch
 
+from radixserve import cpu_ext
 from radixserve.sampling import (
     SamplingBatch,
     SamplingParams,
@@ -18,10 +19,27 @@ from radixserve.sampling import (
     draw_seed,
     pad_token_ids,
     sample,
+    sampler,
 )
 from radixserve.sampling.sampler import CANDIDATES
 
 P = SamplingParams
+
+
+@pytest.fixture(params=["cpu_kernel", "torch"])
+def draw_path(request, monkeypatch):
+    """A draw test through each path: the C++ kernel (cpu_ext/sampler.cpp, what a CPU runs) and
+    the torch candidates (what a GPU runs)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler, "_native_ops", lambda logits: None)
+    else:
+        assert cpu_ext.load() is not None, "the CPU kernels did not build"
+    return request.param
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    monkeypatch.setattr(sampler, "_native_ops", lambda logits: None)
 
 
 def _draw(
@@ -194,6 +212,7 @@ def test_frequency_and_presence_penalties_openai_semantics():
     assert torch.allclose(out, expected)
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_penalties_in_sample_use_prompt_for_repetition_and_output_for_frequency():
     logits = torch.tensor([[3.0, 2.0, 1.0, -1.0, 0.0]] * 3)
     prompts = [[0], [0], [0]]
@@ -226,6 +245,7 @@ def test_penalties_in_sample_use_prompt_for_repetition_and_output_for_frequency(
 # ---------------------------------------------------------------- greedy
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_greedy_rows_are_argmax_in_a_mixed_batch():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 300, generator=gen) * 3
@@ -242,6 +262,7 @@ def test_greedy_rows_are_argmax_in_a_mixed_batch():
     assert _draw([P(top_k=1, temperature=5.0)] * 64, logits).next_token_ids == argmax
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_logits_not_modified():
     logits = torch.randn(3, 20)
     before = logits.clone()
@@ -265,6 +286,7 @@ def _generate(params: SamplingParams, seed: int, steps: int, vocab: int = 500) -
     return out
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_same_seed_same_tokens_over_many_steps():
     params = P(temperature=1.2, top_p=0.95)
     first = _generate(params, seed=42, steps=40)
@@ -272,6 +294,7 @@ def test_same_seed_same_tokens_over_many_steps():
     assert len(set(first)) > 10  # actually sampling, not stuck
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_different_seeds_give_different_tokens():
     params = P(temperature=1.0)
     runs = [tuple(_generate(params, seed=s, steps=12)) for s in range(8)]
@@ -281,6 +304,7 @@ def test_different_seeds_give_different_tokens():
     assert len(set(firsts)) > 250
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_seed_result_independent_of_batch_position_and_companions():
     target = P(temperature=0.8, top_p=0.9, min_p=0.01, repetition_penalty=1.2)
     companions = [
@@ -352,6 +376,7 @@ def _chi_square(freq: torch.Tensor, expected: torch.Tensor, n: int = 20_000) -> 
     return float(((freq[keep] * n - e) ** 2 / e).sum())
 
 
+@pytest.mark.usefixtures("draw_path")
 @pytest.mark.parametrize("by_step", [False, True])
 @pytest.mark.parametrize(
     "params, expected",
@@ -375,6 +400,7 @@ def test_distribution_matches_filtered_softmax(params, expected, by_step):
     assert _chi_square(freq, expected) < 20 + 4 * dof
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_filters_never_sample_a_filtered_token_large_vocab():
     gen = torch.Generator().manual_seed(3)
     n, vocab = 3000, 2000
@@ -420,6 +446,7 @@ _FLAT = torch.randn(3000, generator=torch.Generator().manual_seed(11)) * 0.3
 _PEAKED = torch.randn(3000, generator=torch.Generator().manual_seed(12)) * 3
 
 
+@pytest.mark.usefixtures("draw_path")
 @pytest.mark.parametrize(
     "logits, params",
     [
@@ -450,6 +477,7 @@ def test_large_vocab_distribution_matches_a_full_sort(logits, params):
     assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, (chi2, dof)
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_logprobs_read_back_beside_the_candidates_flag():
     """Filtered rows add a flag column to the one read-back: the chosen logprobs and the top
     logprobs are still the columns after it (a top-k row, a flat top-p row that reruns)."""
@@ -465,6 +493,7 @@ def test_logprobs_read_back_beside_the_candidates_flag():
             assert [v for _, v in out.top_logprobs[row]] == pytest.approx(values.tolist(), abs=1e-5)
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_a_rerun_for_a_flat_neighbour_leaves_other_rows_as_they_were():
     """A flat top-p row makes sample() run the batch again with more candidates; the peaked rows
     beside it draw what they draw without it."""
@@ -476,12 +505,11 @@ def test_a_rerun_for_a_flat_neighbour_leaves_other_rows_as_they_were():
     assert with_flat.next_token_ids[:4] == alone
 
 
+@pytest.mark.usefixtures("torch_path")
 def test_reruns_take_more_candidates_and_draw_what_every_candidate_draws(monkeypatch):
     """A flat row whose top-p set outgrows CANDIDATES reruns with RERUN_CANDIDATES; one that
     outgrows those too, with the whole vocabulary.  Each draws what a run with every token a
     candidate draws for the same seeds."""
-    from radixserve.sampling import sampler
-
     vocab = 20_000
     rows = {scale: torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * scale
             for scale in (5.0, 2.5, 1.0)}  # top-p 0.9 keeps 10, 1927 and 12168 tokens
@@ -500,9 +528,46 @@ def test_reruns_take_more_candidates_and_draw_what_every_candidate_draws(monkeyp
         assert ids == _draw(params, logits, seeds=list(range(8)), candidates=vocab).next_token_ids
 
 
+def test_cpu_kernel_draws_what_the_torch_path_draws(monkeypatch):
+    """The same seeds, the same filters and the same order: cpu_ext/sampler.cpp picks the token
+    the torch path picks (all but a rounding at a cumulative boundary), so its uniforms are
+    counter_uniform's and its kept sets those of the candidates path; rows with flat and peaked
+    distributions, each filter alone and combined, a greedy row beside them."""
+    vocab = 20_000
+    gen = torch.Generator().manual_seed(21)
+    knobs = [P(temperature=0.7), P(temperature=1.0), P(top_p=0.9, temperature=0.7), P(top_k=50),
+             P(min_p=0.05), P(top_k=300, top_p=0.8), P(top_p=0.95, min_p=0.01, temperature=1.3),
+             P(temperature=0)]
+    rows = 400
+    logits = torch.randn(rows, vocab, generator=gen) * torch.tensor([1.0, 2.5, 5.0]).repeat(rows)[:rows, None]
+    params = [knobs[i % len(knobs)] for i in range(rows)]
+    seeds = list(range(1000, 1000 + rows))
+    native = _draw(params, logits, seeds=seeds).next_token_ids
+    monkeypatch.setattr(sampler, "_native_ops", lambda logits: None)
+    reference = _draw(params, logits, seeds=seeds).next_token_ids
+    same = sum(a == b for a, b in zip(native, reference, strict=True))
+    assert same >= rows - 2, f"{rows - same} of {rows} rows differ"
+
+
+@pytest.mark.parametrize("params", [P(), P(top_k=50), P(top_p=0.9), P(min_p=0.1), P(top_k=3, top_p=0.5)])
+def test_cpu_kernel_draws_only_tokens_a_grammar_leaves(params):
+    """Rows whose logits are -inf but for a few tokens (a grammar's mask): only those are drawn,
+    each of them over enough seeds (when no filter drops it); one left, always that one."""
+    vocab, allowed = 5000, [7, 1234, 4999, 2500, 42]
+    logits = torch.full((600, vocab), float("-inf"))
+    logits[:, allowed] = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2])
+    drawn = set(_draw([params] * 600, logits).next_token_ids)
+    expected = set(torch.nonzero(_reference_probs(logits[0], params) > 0).flatten().tolist())
+    assert drawn == expected
+    one = torch.full((1, vocab), float("-inf"))
+    one[0, 4321] = 3.0
+    assert _draw([params], one).next_token_ids == [4321]
+
+
 # ---------------------------------------------------------------- logprobs
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_logprobs_are_log_softmax_of_penalised_logits_before_temperature():
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 50, generator=gen)
@@ -538,12 +603,14 @@ def test_bad_batch_shapes_raise():
         SamplingBatch.build([P()], [0, 1], [[]], None, 10, "cpu")
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_seeds_beyond_int64_wrap_consistently():
     logits = torch.zeros(2, 1000)
     out = _draw([P(), P()], logits, seeds=[2**64 - 1, -1]).next_token_ids
     assert out[0] == out[1]
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_logit_bias_adds_to_logits_and_round_trips() -> None:
     import orjson
 

@@ -16,7 +16,7 @@ _LAZY = {
     "pad_token_ids": "penalties",
     "SampleOutput": "sampler",
     "SamplingBatch": "sampler",
-    "counter_uniform": "sampler",
+    "counter_uniform": "uniform",
     "sample": "sampler",
 }
 
