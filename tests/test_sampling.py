@@ -564,6 +564,23 @@ def test_cpu_kernel_draws_only_tokens_a_grammar_leaves(params):
     assert _draw([params], one).next_token_ids == [4321]
 
 
+@pytest.mark.usefixtures("draw_path")
+@pytest.mark.parametrize("vocab", [1, 2, 3, 5, 7, 17, 33])
+def test_small_vocabularies_and_confident_rows_draw_from_the_reference_set(vocab):
+    """Vocabularies shorter than a vector (and not a multiple of one), and a confident row (its
+    top token alone passes top-p and leaves every other under min-p): 400 seeded draws stay in
+    the full-sort reference's kept set and reach every token it keeps with probability >= 5%."""
+    gen = torch.Generator().manual_seed(vocab)
+    confident = torch.randn(vocab, generator=gen)
+    confident[vocab // 2] += 30
+    for logits in (torch.randn(vocab, generator=gen) * 2, confident):
+        for params in (P(), P(top_p=0.8), P(min_p=0.2), P(top_k=2, top_p=0.9), P(temperature=0.5, min_p=0.05)):
+            drawn = set(_draw([params] * 400, logits.expand(400, -1).clone()).next_token_ids)
+            reference = _reference_probs(logits, params)
+            assert drawn <= set(torch.nonzero(reference > 0).flatten().tolist()), (params, drawn)
+            assert drawn >= set(torch.nonzero(reference >= 0.05).flatten().tolist()), (params, drawn)
+
+
 # ---------------------------------------------------------------- logprobs
 
 

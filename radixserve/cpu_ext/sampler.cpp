@@ -30,6 +30,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -162,7 +163,7 @@ struct Knobs {
 // The kept prefix of the candidates (sorted, descending), its weights' running sums in `run`;
 // returns its length, or -1 where the prefix may go on past the candidates.
 int64_t kept_prefix(const std::vector<std::pair<float, int32_t>>& cand, int64_t n_above_zero,
-                    const Knobs& k, bool top_k_on, std::vector<float>& run) {
+                    const Knobs& k, bool top_k_on, float t, std::vector<float>& run) {
   const int64_t size = static_cast<int64_t>(cand.size());
   const int64_t by_k = top_k_on ? std::min<int64_t>(k.top_k, size) : size;
   float total = k.total;
@@ -181,20 +182,27 @@ int64_t kept_prefix(const std::vector<std::pair<float, int32_t>>& cand, int64_t 
     run[j] = sum;
     kept = j + 1;
   }
-  const bool complete = kept < size || size >= n_above_zero || (top_k_on && size >= k.top_k);
+  // Every token past the candidates has e < t: min-p drops it where t <= min_p, and top-p where
+  // the candidates' mass already passed top_p of the total (its own weight is not read).  So a
+  // confident row (one token over top_p) stops at its first threshold.
+  const bool next_cut = kept == size && ((k.min_p > 0.f && t <= k.min_p) ||
+                                         (k.top_p < 1.f && !top_k_on && sum > k.top_p * total));
+  const bool complete = kept < size || next_cut || size >= n_above_zero || (top_k_on && size >= k.top_k);
   return complete ? std::max<int64_t>(kept, 1) : -1;
 }
 
 int64_t draw_filtered(const float* e, int64_t n, const Knobs& k, float u,
                       std::vector<std::pair<float, int32_t>>& cand, std::vector<float>& run) {
   const bool top_k_on = k.top_k < n, top_p_on = k.top_p < 1.f, min_p_on = k.min_p > 0.f;
-  const int64_t n_above_zero = count_above(e, n, 1e-45f).first;
+  // vexp gives 0 or at least e^-87 (a normal float): the tokens with a weight, by a normal
+  // threshold (a denormal one reads as 0 where denormals are flushed).
+  const int64_t n_above_zero = count_above(e, n, FLT_MIN).first;
   // Halving t at first; past 2^-16 by 16 at a time (a tiny min-p alone would take a pass per bit).
   const auto lower = [](float t) { return t < 1e-37f ? 0.f : t * (t > 1.5e-5f ? 0.5f : 0.0625f); };
   float t = 0.5f;
   for (;;) {
     auto [count, mass] = count_above(e, n, t);
-    const bool enough = t == 0.f || (top_k_on && count >= k.top_k) ||
+    const bool enough = t == 0.f || count >= n_above_zero || (top_k_on && count >= k.top_k) ||
                         (top_p_on && !top_k_on && mass > k.top_p * k.total) ||
                         (min_p_on && t <= k.min_p && !(top_p_on && top_k_on && count < k.top_k));
     if (!enough) {
@@ -213,7 +221,7 @@ int64_t draw_filtered(const float* e, int64_t n, const Knobs& k, float u,
     } else {
       std::sort(cand.begin(), cand.end(), first);
     }
-    int64_t kept = cand.empty() ? 0 : kept_prefix(cand, n_above_zero, k, top_k_on, run);
+    int64_t kept = cand.empty() ? 0 : kept_prefix(cand, n_above_zero, k, top_k_on, t, run);
     if (kept < 0 && t > 0.f) {  // rounding left the prefix open at this threshold: take more tokens
       t = lower(t);
       continue;
