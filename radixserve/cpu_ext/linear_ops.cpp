@@ -67,21 +67,6 @@ inline vf load_int8(const int8_t* p) {
 #endif
 }
 
-// Halves added until one lane is left (log2 W shuffles, not W dependent scalar adds).
-inline float lane_sum(vf a) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)a);
-#elif defined(__AVX__)
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-#else
-  float s = 0.f;
-  for (int l = 0; l < W; ++l) s += a[l];
-  return s;
-#endif
-}
-
 // Input rows [m, m + MT) times output rows [n, n + nb) (nb <= R; the rows past nb repeat the
 // last one and are not written); x is float [M][K]; each row of w has K / group scales, and with
 // OFFSET as many offsets: w = q * scale (+ offset), formed in registers, so the products are

@@ -60,14 +60,15 @@ float counter_uniform(int64_t seed, int64_t step) {
   return (static_cast<float>(bits) + 0.5f) * (1.0f / (1 << kUniformBits));
 }
 
-float lane_sum(vf v) {
-  float s = 0.f;
-  for (int j = 0; j < W; ++j) s += v[j];
-  return s;
-}
+struct RowWeights {
+  float total;       // the sum of e
+  int64_t weighted;  // how many e are not 0
+};
 
-// e[i] = exp(x[i] / temperature - max) over the row; returns the sum of e (by W lanes).
-float exp_row(const float* x, int64_t n, float temperature, float* e) {
+// e[i] = exp(x[i] / temperature - max) over the row, with their sum (by W lanes) and how many
+// are not 0 (vexp gives 0 or at least e^-87, a normal float: counted against FLT_MIN, which
+// still reads as nonzero where denormals are flushed).
+RowWeights exp_row(const float* x, int64_t n, float temperature, float* e) {
   const vf tv = splat_as<vf>(temperature);
   vf top = splat_as<vf>(-INFINITY);
   int64_t i = 0;
@@ -83,20 +84,24 @@ float exp_row(const float* x, int64_t n, float temperature, float* e) {
     m = std::max(m, e[i]);
   }
   if (!(m > -INFINITY)) m = 0.f;  // every logit -inf: every e is 0, and the draw takes token 0
-  const vf mv = splat_as<vf>(m);
+  const vf mv = splat_as<vf>(m), tiny = splat_as<vf>(FLT_MIN);
   vf acc = {};
+  vi cnt = {};
   for (i = 0; i + W <= n; i += W) {
     const vf v = vexp(loadw(e + i) - mv);
     storew(e + i, v);
     acc += v;
+    cnt -= v >= tiny;
   }
-  float total = lane_sum(acc);
+  RowWeights row{lane_sum(acc), 0};
+  for (int j = 0; j < W; ++j) row.weighted += cnt[j];
   for (; i < n; ++i) {
     const vf v = vexp(splat_as<vf>(e[i] - m));
     e[i] = v[0];
-    total += e[i];
+    row.total += e[i];
+    row.weighted += e[i] >= FLT_MIN;
   }
-  return total;
+  return row;
 }
 
 // How many e[i] >= t, and their sum.
@@ -191,12 +196,9 @@ int64_t kept_prefix(const std::vector<std::pair<float, int32_t>>& cand, int64_t 
   return complete ? std::max<int64_t>(kept, 1) : -1;
 }
 
-int64_t draw_filtered(const float* e, int64_t n, const Knobs& k, float u,
+int64_t draw_filtered(const float* e, int64_t n, int64_t n_above_zero, const Knobs& k, float u,
                       std::vector<std::pair<float, int32_t>>& cand, std::vector<float>& run) {
   const bool top_k_on = k.top_k < n, top_p_on = k.top_p < 1.f, min_p_on = k.min_p > 0.f;
-  // vexp gives 0 or at least e^-87 (a normal float): the tokens with a weight, by a normal
-  // threshold (a denormal one reads as 0 where denormals are flushed).
-  const int64_t n_above_zero = count_above(e, n, FLT_MIN).first;
   // Halving t at first; past 2^-16 by 16 at a time (a tiny min-p alone would take a pass per bit).
   const auto lower = [](float t) { return t < 1e-37f ? 0.f : t * (t > 1.5e-5f ? 0.5f : 0.0625f); };
   float t = 0.5f;
@@ -264,11 +266,11 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatur
     e.resize(n);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = all ? r : row_ids[r];
-      const float total = exp_row(x + b * n, n, temp[b], e.data());
+      const RowWeights weights = exp_row(x + b * n, n, temp[b], e.data());
       const float u = counter_uniform(seed[b], step[b]);
-      const Knobs knobs{std::clamp<int64_t>(tk[b], 1, n), tp[b], mp[b], total};
+      const Knobs knobs{std::clamp<int64_t>(tk[b], 1, n), tp[b], mp[b], weights.total};
       const bool filtered = knobs.top_k < n || knobs.top_p < 1.f || knobs.min_p > 0.f;
-      ids[r] = filtered ? draw_filtered(e.data(), n, knobs, u, cand, run) : draw_plain(e.data(), n, u, run);
+      ids[r] = filtered ? draw_filtered(e.data(), n, weights.weighted, knobs, u, cand, run) : draw_plain(e.data(), n, u, run);
     }
   });
   return out;

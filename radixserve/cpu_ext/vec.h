@@ -114,6 +114,21 @@ inline void widen_halves(const uint16_t* src, int64_t n, float* dst) {
 #endif
 }
 
+// Halves added until one lane is left (log2 W shuffles, not W dependent scalar adds).
+inline float lane_sum(vf a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)a);
+#elif defined(__AVX__)
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+#else
+  float s = 0.f;
+  for (int l = 0; l < W; ++l) s += a[l];
+  return s;
+#endif
+}
+
 // e^x for any float vector type, relative error ~2e-7 (Taylor to degree 7 after range
 // reduction); x below -87 -> 0, x above 88 -> e^88.
 template <typename V>
