@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -347,6 +348,23 @@ def test_split_plan_reads_each_cached_range_in_parts() -> None:
     assert sizes[0] == sizes[1] == sizes[2]  # the plan does not grow with the cached context
     unsplit = build_plan(table.numpy(), [0, 1], [SPLIT_MIN_KEYS - 1, 40], [2, 1])
     assert unsplit.job_row.tolist() == [0, 1]
+
+
+def test_a_lone_request_plan_is_the_batch_plan() -> None:
+    """One request's plan (built from Python ints: a lone agent's decode and verify steps) is the
+    general path's, tensor for tensor: split or not, every new-token count up to the bound."""
+    from radixserve.attention import paged_plan
+
+    table = np.zeros((4, 6000), dtype=np.int32)
+    table[2, :5500] = np.arange(1, 5501)
+    for pre in [*range(0, 20), 511, 512, 513, 515, 1100, 1103, 5001]:
+        for ext in (1, 2, 3, 8, 9, 17, paged_plan.LONE_MAX_NEW_TOKENS):
+            lone = paged_plan.build_plan(table, [2], [pre], [ext])
+            batch = paged_plan._batch_plan(table, [2], [pre], [ext], True)
+            assert lone.shared_groups == batch.shared_groups == 0
+            for a, b in zip(lone.args(), batch.args(), strict=True):
+                assert a.dtype == b.dtype == torch.int64 and a.is_contiguous()
+                assert torch.equal(a, b), (pre, ext)
 
 
 def test_more_query_heads_per_kv_head_than_the_kernel_takes_falls_back() -> None:

@@ -528,6 +528,29 @@ def test_reruns_take_more_candidates_and_draw_what_every_candidate_draws(monkeyp
         assert ids == _draw(params, logits, seeds=list(range(8)), candidates=vocab).next_token_ids
 
 
+def test_cpu_argmax_is_torch_argmax_on_ties_nans_and_infinities():
+    """argmax_rows (greedy rows on a CPU) answers what torch.argmax answers: the first of equal
+    maxima, the first NaN, 0 for a row of -inf; rows of every length around the vector width."""
+    ops = cpu_ext.load()
+    assert ops is not None, "the CPU kernels did not build"
+    gen = torch.Generator().manual_seed(3)
+    for vocab in (1, 2, 7, 8, 15, 16, 17, 33, 300, 49152):
+        logits = (torch.randn(12, vocab, generator=gen) * 4).round()  # small integers: many ties
+        logits[1] = -math.inf
+        logits[2, vocab // 2] = math.inf
+        logits[3, vocab - 1] = math.nan
+        logits[4, vocab // 3] = math.nan
+        logits[4, vocab - 1] = math.inf
+        logits[5] = logits[5, 0]  # every value equal
+        logits[6, vocab - 1] = 1e9  # the maximum in the scalar tail
+        logits[7] = -1e30
+        logits[7, -1] = -1e29
+        assert ops.argmax_rows(logits).tolist() == logits.argmax(-1).tolist(), vocab
+    assert ops.argmax_rows(torch.zeros(0, 5)).tolist() == []
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(torch.zeros(2, 5, dtype=torch.bfloat16))
+
+
 def test_cpu_kernel_draws_what_the_torch_path_draws(monkeypatch):
     """The same seeds, the same filters and the same order: cpu_ext/sampler.cpp picks the token
     the torch path picks (all but a rounding at a cumulative boundary), so its uniforms are

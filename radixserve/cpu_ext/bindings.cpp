@@ -30,6 +30,7 @@ at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tens
 bool q8_supported();
 void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out);
 int64_t vector_width();
+at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatures, at::Tensor top_ks,
                        at::Tensor top_ps, at::Tensor min_ps, at::Tensor seeds, at::Tensor steps);
 
@@ -52,6 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers", "every decoder layer of a step of few rows (model/fused_decode.py)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double, std::vector<int64_t>, double>())
       .def("run", &DecodeLayers::run, "the last layer's MLP output; the residual updated in place");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(dim=-1) of float32 logits [B, V] (sampling/sampler.py's greedy rows)");
   m.def("sample_rows", &sample_rows, "one seeded draw per sampled row of float32 logits [B, V] (sampling/sampler.py)");
   m.def("vector_width", &vector_width, "float lanes of the kernels' vectors (8: AVX2, 16: AVX-512)");
 }

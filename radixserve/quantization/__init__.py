@@ -20,11 +20,12 @@ The matmul path, chosen by measurement (2-core CPUs, the default model's shapes,
 activations):
 - at most ``KERNEL_MAX_ROWS`` rows (decode): the C++ kernels ``int8_linear`` / ``int4_linear``
   (cpu_ext/linear_ops.cpp), the weights converted to float in registers; with
-  ``--int8-activations`` they run ``int4_linear_q8`` / ``int8_linear_q8`` instead: x quantized
-  to int8 per 32 and VNNI integer dot products (llama.cpp's Q4 x Q8 and Q8 x Q8): the default
-  model's 4-bit layers at one row 5.4 -> 2.9 ms (float32 activations), 6.0 -> 4.0 (bfloat16) on
-  a 2-core Xeon, a decode step 4-8% faster, no longer the weights' exact products
-  (bench/quant_accuracy.py);
+  ``--int8-activations`` they run ``int4_linear_q8`` / ``int8_linear_q8`` instead (the LM head
+  aside): x quantized to int8 per 32 and VNNI integer dot products (llama.cpp's Q4 x Q8 and Q8 x
+  Q8): the default model's 120 4-bit layers at one row 5.8 -> 4.7 ms (bfloat16, cycled from
+  memory) on a 2-core Xeon, a one-row decode step ~10% faster, no longer the weights' exact
+  products (bench/quant_accuracy.py); from 2 rows on the float kernel's shared expansion is
+  faster than q8 (2 rows 5.3 against 6.0 ms, 8 rows 10.6 against 16.4), so verify steps gain nothing;
 - more rows (prefill, large batches): the weight dequantized once per call into a shared buffer
   (the default model's layers: 25 ms in bfloat16, 57 in float32, on Zen 4) and the float
   matmul this CPU runs fastest at that many rows (float_linear.py): torch's blocked GEMM for a
@@ -108,8 +109,8 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
     """Replace, in place, the weight of every linear layer that has one (and of a tied
     embedding) by its quantized form.  ``mode`` is one of :data:`QUANTIZATIONS` (``auto``
     resolved); ``gguf`` takes the blocks of ``gguf_path``, the file the model was converted from;
-    ``int8_activations``: the decode rows of the 4-bit weights and of int8 groups of 32 through
-    ``int4_linear_q8`` / ``int8_linear_q8``."""
+    ``int8_activations``: the decode rows of the 4-bit weights and of int8 groups of 32 (the LM
+    head's aside) through ``int4_linear_q8`` / ``int8_linear_q8``."""
     if mode not in QUANTIZATIONS or mode == "auto":
         raise ValueError(f"quantization must be one of {[q for q in QUANTIZATIONS if q != 'auto']}, got {mode!r}")
     if int8_activations:
@@ -120,8 +121,14 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
                              f"{'did not build' if ops is None else 'were built without it'})")
     mark_weights_changed()  # before anything changes: a failure half way still counts
     _quantize(model, mode, gguf_path)
-    taking = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), Int4Weight) or (
-        isinstance(getattr(m, "weight", None), Int8Weight) and m.weight.group == BLOCK4)]
+    # The LM head (int8 groups of 32: a GGUF's Q8_0, int4's head) keeps float activations:
+    # int8_linear_q8 took 1.32 ms against int8_linear's 1.04 for the default model's head at one
+    # row, 2.5 against 1.9 at 4, 4.0 against 2.6 at 8 (2-core Xeon), where int8_linear reads its
+    # 49,152 rows at the memory's rate; and its products stay exact.
+    head = _head_module(model)
+    taking = [m.weight for m in model.modules() if m is not head and (
+        isinstance(getattr(m, "weight", None), Int4Weight)
+        or isinstance(getattr(m, "weight", None), Int8Weight) and m.weight.group == BLOCK4)]
     for weight in taking:
         weight.int8_activations = int8_activations
     if int8_activations and not taking:
@@ -130,6 +137,11 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
     if int8_activations:
         log.info("int8 activations: decode rows through %d quantized layer(s) quantize x to int8 per %d "
                  "(AVX-512 VNNI dot products)", len(taking), BLOCK4)
+
+
+def _head_module(model: nn.Module) -> nn.Module | None:
+    """The module whose weight is the LM head: ``lm_head``, or the tied embedding."""
+    return getattr(model, "lm_head", None) or getattr(getattr(model, "model", None), "embed_tokens", None)
 
 
 def _quantize(model: nn.Module, mode: str, gguf_path: str | None) -> None:
@@ -146,7 +158,7 @@ def _quantize(model: nn.Module, mode: str, gguf_path: str | None) -> None:
         log.info("weights served as the GGUF's blocks: %.0f MB -> %.0f MB; %s", before / 2**20, after / 2**20,
                  ", ".join(f"{count} layer(s) {what}" for what, count in sorted(kinds.items())))
         return
-    head = getattr(model, "lm_head", None) or getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = _head_module(model)
     before = after = kept = 0
     for _, module in modules:
         weight = module.weight
