@@ -329,12 +329,14 @@ void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint1
 constexpr int G4 = 4;  // blocks per group
 
 // One row of x as the kernel reads it: per group of G4 blocks, 128 bytes of xq (as xq + 128 and
-// as xq), 16 lanes of cx, and 16 lanes of dx and of sum(x) / 4 (each block's value repeated over its 4 lanes; zeros past the last block).
+// as xq), 16 lanes of cx and 16 of dx (each block's value repeated over its 4 lanes; zeros past
+// the last block); and each block's exact sum of x (zeros past the last block, to a whole vector).
 struct Q8Row {
   std::vector<uint8_t> xq;  // xq + 128 (for int8 weights: signed, the second operand of VPDPBUSD)
   std::vector<int8_t> xs;   // xq (for 4-bit weights: unsigned nibbles, the first operand)
   std::vector<int32_t> cx;  // per lane, 8 times the sum of its 8 xq: sum (q - 8) xq = sum q xq - cx
-  std::vector<float> dx, sx;
+  std::vector<float> dx;
+  std::vector<float> sum;   // per block
 };
 
 void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
@@ -343,12 +345,12 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
   row.xs.assign(groups * 128, 0);
   row.cx.assign(groups * 16, 0);
   row.dx.assign(groups * 16, 0.f);
-  row.sx.assign(groups * 16, 0.f);
+  row.sum.assign((blocks + 15) / 16 * 16, 0.f);
   const __m512i bias = _mm512_set1_epi32(128);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 a0 = _mm512_loadu_ps(x + b * BLOCK4), a1 = _mm512_loadu_ps(x + b * BLOCK4 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
-    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    row.sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
     // a block below 1e-30 in magnitude (where 127 / amax could overflow) counts as zeros here;
     // its exact sum still enters the offset term
     const float dx = amax / 127.f, inv = amax > 1e-30f ? 127.f / amax : 0.f;
@@ -361,10 +363,7 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
         _mm512_cvt_roundps_epi32(_mm512_mul_ps(a0, iv), rnd), bias)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 64), _mm512_cvtepi32_epi8(_mm512_add_epi32(
         _mm512_cvt_roundps_epi32(_mm512_mul_ps(a1, iv), rnd), bias)));
-    for (int l = 0; l < 4; ++l) {
-      row.dx[g * 16 + i * 4 + l] = dx;
-      row.sx[g * 16 + i * 4 + l] = sum * 0.25f;
-    }
+    for (int l = 0; l < 4; ++l) row.dx[g * 16 + i * 4 + l] = dx;
   }
   for (size_t k = 0; k < row.xq.size(); ++k) row.xs[k] = static_cast<int8_t>(row.xq[k] - 128);
   // lane i of a group's sums holds bytes [4i, 4i + 4) of its low and of its high 64
@@ -377,8 +376,9 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
 }
 
 // The weights of a q8 tile, one row and one group of G4 blocks at a time: `lo` and `hi` the
-// signed bytes that meet x's low and high halves (zero past the last block), `scale` each lane's
-// block scale, `centre` what multiplies the exact sum of x (per lane).
+// bytes that meet x's low and high halves (zero past the last block), `scale` each lane's block
+// scale.  The term of each block's exact sum of x (its `centre` times it) goes apart, 16 blocks a
+// vector instruction (centre_sums), instead of once per group in each tile's loop.
 const __m512i kSpread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
 
 // The first `lanes` (at most 4) of four float16 values as floats in lanes 0-3.
@@ -386,25 +386,47 @@ inline __m512 halves4(__mmask16 lanes, const uint16_t* p) {
   return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(lanes), p)));
 }
 
+// The mask of the first min(16, n) lanes.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// out[j] = sum over the blocks of `centre(b)` times row j's exact block sum, for the MT rows of x.
+template <int MT, typename Centre>
+inline void centre_sums(const Q8Row* x, int64_t blocks, const Centre& centre, float* out) {
+  __m512 acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; b += 16) {
+    const __m512 c = centre(b, first_lanes(blocks - b));
+    for (int j = 0; j < MT; ++j) acc[j] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x[j].sum.data() + b), acc[j]);
+  }
+  for (int j = 0; j < MT; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
 // 4-bit blocks (w = d q + m): the nibbles q as they are (unsigned: VPDPBUSD's first operand, x's
-// signed xq its second), whose sums less x's cx are those of q - 8; and m + 8 d, the weight's value
-// at q = 8.  Against centring q in the weight (q - 8 signed, x's bytes xq + 128, less 128 times
-// each lane's sum of q - 8, itself two more VPDPBUSD per group and output row): the same integer
-// sums with 5 fewer vector operations per group of 128 weights and output row.
+// signed xq its second), whose sums less x's cx are those of q - 8; and the centre m + 8 d, the
+// weight's value at q = 8.  Against centring q in the weight (q - 8 signed, x's bytes xq + 128,
+// less 128 times each lane's sum of q - 8, itself two more VPDPBUSD per group and output row):
+// the same integer sums with 5 fewer vector operations per group of 128 weights and output row.
 struct NibbleRows {
   static constexpr bool kNibbles = true;
   const uint8_t* qs;
   const uint16_t *d, *mins;  // float16 bits
   int64_t K;
   void group(int64_t r, int64_t g, int, __mmask64 bytes, __mmask16 lanes, __m512i& lo, __m512i& hi,
-             __m512& scale, __m512& centre) const {
-    const int64_t blocks = K / BLOCK4;
+             __m512& scale) const {
     const __m512i low4 = _mm512_set1_epi8(15);
     const __m512i packed = _mm512_maskz_loadu_epi8(bytes, qs + r * (K / 2) + g * 64);  // zeros past the last block
     lo = _mm512_and_si512(packed, low4);
     hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-    scale = _mm512_permutexvar_ps(kSpread, halves4(lanes, d + r * blocks + g * G4));
-    centre = _mm512_fmadd_ps(scale, _mm512_set1_ps(8.f), _mm512_permutexvar_ps(kSpread, halves4(lanes, mins + r * blocks + g * G4)));
+    scale = _mm512_permutexvar_ps(kSpread, halves4(lanes, d + r * (K / BLOCK4) + g * G4));
+  }
+  template <int MT>
+  void centres(int64_t r, const Q8Row* x, float* out) const {
+    const int64_t blocks = K / BLOCK4;
+    const uint16_t *dr = d + r * blocks, *mr = mins + r * blocks;
+    centre_sums<MT>(x, blocks, [&](int64_t b, __mmask16 live) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, dr + b));
+      return _mm512_fmadd_ps(dv, _mm512_set1_ps(8.f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mr + b)));
+    }, out);
   }
 };
 
@@ -416,8 +438,7 @@ struct ByteRows {
   const float *scale_, *offset;  // offset: nullptr for symmetric groups (a GGUF's Q8_0)
   int64_t K;
   void group(int64_t r, int64_t g, int in_group, __mmask64, __mmask16 lanes, __m512i& lo, __m512i& hi,
-             __m512& scale, __m512& centre) const {
-    const int64_t blocks = K / BLOCK4;
+             __m512& scale) const {
     const int8_t* src = q + r * K + g * (G4 * BLOCK4);
     // 32 bytes per block: the first 64 in a, the rest in b
     const int valid = 32 * in_group;
@@ -426,67 +447,98 @@ struct ByteRows {
     const __m512i a = _mm512_maskz_loadu_epi8(ma, src), b = _mm512_maskz_loadu_epi8(mb, src + 64);
     lo = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0));
     hi = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    scale = _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, scale_ + r * blocks + g * G4));
-    centre = offset ? _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, offset + r * blocks + g * G4))
-                    : _mm512_setzero_ps();
+    scale = _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, scale_ + r * (K / BLOCK4) + g * G4));
+  }
+  template <int MT>
+  void centres(int64_t r, const Q8Row* x, float* out) const {
+    if (offset == nullptr) {  // symmetric groups: no term
+      for (int j = 0; j < MT; ++j) out[j] = 0.f;
+      return;
+    }
+    const float* orow = offset + r * (K / BLOCK4);
+    centre_sums<MT>(x, K / BLOCK4, [&](int64_t b, __mmask16 live) { return _mm512_maskz_loadu_ps(live, orow + b); }, out);
   }
 };
 
-// Rows [m, m + MT) of x times output rows [n, n + nb) (as int4_tile).
-template <typename Rows, int MT>
+// Rows [m, m + MT) of x times output rows [n, n + nb) (nb <= R).  Per group the R rows' weights
+// are formed once, then each row of x is loaded once for all R of them.
+template <typename Rows, int MT, int R>
 inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
   const int64_t blocks = K / BLOCK4, groups = (blocks + G4 - 1) / G4;
   const __m512i ones = _mm512_set1_epi8(1);
-  __m512 acc[MT][NB];
+  __m512 acc[MT][R];
   for (int j = 0; j < MT; ++j)
-    for (int i = 0; i < NB; ++i) acc[j][i] = _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int in_group = static_cast<int>(std::min<int64_t>(G4, blocks - g * G4));
     const __mmask64 bytes = in_group == G4 ? ~0ULL : (1ULL << (16 * in_group)) - 1;
     const __mmask16 lanes = static_cast<__mmask16>((1u << in_group) - 1);
-    for (int i = 0; i < NB; ++i) {
-      __m512i wlo, whi;
-      __m512 sv, cv;
-      w.group(n + std::min(i, nb - 1), g, in_group, bytes, lanes, wlo, whi, sv, cv);
+    __m512i wlo[R], whi[R], bias[R];
+    __m512 sv[R];
+    for (int i = 0; i < R; ++i) {
+      w.group(n + std::min(i, nb - 1), g, in_group, bytes, lanes, wlo[i], whi[i], sv[i]);
       // int8 weights: x's bytes are xq + 128, less 128 sum(w) per lane
-      __m512i bias = _mm512_setzero_si512();
       if constexpr (!Rows::kNibbles)
-        bias = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wlo), ones, whi), 7);
-      for (int j = 0; j < MT; ++j) {
-        const Q8Row& xr = x[m + j];
-        __m512i sums;
-        if constexpr (Rows::kNibbles) {
-          const __m512i xlo = _mm512_loadu_si512(xr.xs.data() + g * 128);
-          const __m512i xhi = _mm512_loadu_si512(xr.xs.data() + g * 128 + 64);
-          sums = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xlo), whi, xhi),
-                                  _mm512_loadu_si512(xr.cx.data() + g * 16));
-        } else {
-          const __m512i xlo = _mm512_loadu_si512(xr.xq.data() + g * 128);
-          const __m512i xhi = _mm512_loadu_si512(xr.xq.data() + g * 128 + 64);
-          sums = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xlo, wlo), xhi, whi), bias);
+        bias[i] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wlo[i]), ones, whi[i]), 7);
+    }
+    for (int j = 0; j < MT; ++j) {
+      const Q8Row& xr = x[m + j];
+      const __m512 dxv = _mm512_loadu_ps(xr.dx.data() + g * 16);
+      if constexpr (Rows::kNibbles) {
+        const __m512i xlo = _mm512_loadu_si512(xr.xs.data() + g * 128);
+        const __m512i xhi = _mm512_loadu_si512(xr.xs.data() + g * 128 + 64);
+        const __m512i cx = _mm512_loadu_si512(xr.cx.data() + g * 16);
+        for (int i = 0; i < R; ++i) {
+          const __m512i sums = _mm512_sub_epi32(
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[i], xlo), whi[i], xhi), cx);
+          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
         }
-        const __m512 scale = _mm512_mul_ps(sv, _mm512_loadu_ps(xr.dx.data() + g * 16));
-        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[j][i]);
-        acc[j][i] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xr.sx.data() + g * 16), acc[j][i]);
+      } else {
+        const __m512i xlo = _mm512_loadu_si512(xr.xq.data() + g * 128);
+        const __m512i xhi = _mm512_loadu_si512(xr.xq.data() + g * 128 + 64);
+        for (int i = 0; i < R; ++i) {
+          const __m512i sums = _mm512_sub_epi32(
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xlo, wlo[i]), xhi, whi[i]), bias[i]);
+          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
+        }
       }
     }
   }
-  for (int j = 0; j < MT; ++j)
-    for (int i = 0; i < nb; ++i) y[(m + j) * N + n + i] = _mm512_reduce_add_ps(acc[j][i]);
+  for (int i = 0; i < nb; ++i) {
+    float centre[MT];
+    w.template centres<MT>(n + i, x + m, centre);
+    for (int j = 0; j < MT; ++j) y[(m + j) * N + n + i] = _mm512_reduce_add_ps(acc[j][i]) + centre[j];
+  }
 }
 
 // Output rows [n0, n1) of every row of x; `prefetch(n, nb)` asks for the next tile's weights.
+// Up to 4 rows of x go in one pass over 4 output rows, 5-8 in one pass over 2 (their
+// accumulators in registers), more as passes of 8 and the rest.
 template <typename Rows, typename Prefetch>
 void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
              const Prefetch& prefetch) {
+  const auto pass = [&](int64_t m, int64_t rows, int64_t n, int nb) {
+    switch (rows) {
+      case 1: return q8_tile<Rows, 1, NB>(x, w, y, K, N, m, n, nb);
+      case 2: return q8_tile<Rows, 2, NB>(x, w, y, K, N, m, n, nb);
+      case 3: return q8_tile<Rows, 3, NB>(x, w, y, K, N, m, n, nb);
+      case 4: return q8_tile<Rows, 4, NB>(x, w, y, K, N, m, n, nb);
+      default: break;
+    }
+    for (int i = 0; i < nb; i += 2) {  // 5-8 rows: pairs of output rows
+      const int pair = std::min(2, nb - i);
+      switch (rows) {
+        case 5: q8_tile<Rows, 5, 2>(x, w, y, K, N, m, n + i, pair); break;
+        case 6: q8_tile<Rows, 6, 2>(x, w, y, K, N, m, n + i, pair); break;
+        case 7: q8_tile<Rows, 7, 2>(x, w, y, K, N, m, n + i, pair); break;
+        default: q8_tile<Rows, 8, 2>(x, w, y, K, N, m, n + i, pair); break;
+      }
+    }
+  };
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
     prefetch(n, nb);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q8_tile<Rows, 4>(x, w, y, K, N, m, n, nb);
-    if (M - m == 3) q8_tile<Rows, 3>(x, w, y, K, N, m, n, nb);  // the rows left in one pass
-    if (M - m == 2) q8_tile<Rows, 2>(x, w, y, K, N, m, n, nb);
-    if (M - m == 1) q8_tile<Rows, 1>(x, w, y, K, N, m, n, nb);
+    for (int64_t m = 0; m < M; m += 8) pass(m, std::min<int64_t>(8, M - m), n, nb);
   }
 }
 #else
