@@ -13,7 +13,8 @@ token of each turn, and decode ms per token ((last - first token) / (tokens - 1)
     python bench/agent_http.py --quick --servers float32
 
 ``--servers``: comma list of ``default`` (no flags: what a user gets on this machine, bfloat16
-where the CPU has it), ``default-ngram``, ``float32`` (``--quantization none``), ``int8`` (``--quantization
+where the CPU has it), ``default-ngram``, ``default-a8`` (``--int8-activations``: decode rows
+quantized to int8 against the 4-bit blocks, llama.cpp's arithmetic), ``float32`` (``--quantization none``), ``int8`` (``--quantization
 int8``), ``gguf`` (``--quantization gguf``: the GGUF's own Q4_1 / Q8_0 blocks, what ``auto`` serves),
 ``float32-ngram``, ``int8-ngram``, ``gguf-ngram`` (``--speculative-algorithm ngram``) and
 ``llama-server`` (the embedded model's Q4_1 GGUF, or ``--gguf``).
@@ -46,6 +47,7 @@ from bench.common import (  # noqa: E402
 RADIXSERVE = {
     "default": [],  # every setting as radixserve picks it on this machine (dtype: bfloat16 where the CPU has it)
     "default-ngram": ["--speculative-algorithm", "ngram"],
+    "default-a8": ["--int8-activations"],  # Q4 x Q8 integer dot products, as llama.cpp computes
     "float32": ["--dtype", "float32", "--quantization", "none"],
     "int8": ["--dtype", "float32", "--quantization", "int8"],
     "gguf": ["--dtype", "float32", "--quantization", "gguf"],
