@@ -13,7 +13,10 @@
 // the rows are merged exactly at the end:  out = sum_e e^{lse_e} out_e / sum_e e^{lse_e}.
 //
 // Tasks are (job, KV head, block of queries), heaviest first, taken one at a time by torch's
-// intra-op threads (OpenMP: the thread count is the scheduler's torch setting).  Two paths:
+// intra-op threads (OpenMP: the thread count is the scheduler's torch setting); with at least two
+// (job, block) tasks a thread, a thread takes all KV heads of one at a time, which read lines side
+// by side (one request over 1,100 keys, 30 layers, bfloat16, pools out of cache: 1.42-1.53 ->
+// 1.26 ms; 2,200 keys 2.6 -> 2.27; in cache unchanged).  Two paths:
 //  - pair path (bfloat16 pool, AVX-512 BF16): run_task_pairs.  Q.K and P.V are products of
 //    bfloat16 pairs with float32 sums; scores stay in registers; softmax in base 2 with a
 //    lazily raised max.  Measured on the 2-core AVX-512 BF16 CPU, the default model's layer
@@ -860,35 +863,43 @@ void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, con
   }
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  const int64_t n_tasks = static_cast<int64_t>(tasks.size()) * num_kv;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1); t < n_tasks; t = next.fetch_add(1)) {
-      const Task& task = tasks[t / num_kv];
-      if constexpr (PAIR_TYPE) {
-        if (pairs) {
-          const int64_t rows = (task.e1 - task.e0) * group;
-          if (rows <= 4) {  // one chunk of exactly the task's rows (no padded row's products)
-            const auto run = [&](auto chunk) {
-              run_task_pairs<QT, KT, D, decltype(chunk)::value>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group,
-                                                                scaling, task.job, t % num_kv, task.e0, task.e1,
-                                                                part, lse);
-            };
-            switch (rows) {
-              case 1: run(std::integral_constant<int, 1>{}); break;
-              case 2: run(std::integral_constant<int, 2>{}); break;
-              case 3: run(std::integral_constant<int, 3>{}); break;
-              default: run(std::integral_constant<int, 4>{}); break;
-            }
-          } else {
-            run_task_pairs<QT, KT, D, 8>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling,
-                                         task.job, t % num_kv, task.e0, task.e1, part, lse);
+  const auto run_one = [&](const Task& task, int64_t kvh) {
+    if constexpr (PAIR_TYPE) {
+      if (pairs) {
+        const int64_t rows = (task.e1 - task.e0) * group;
+        if (rows <= 4) {  // one chunk of exactly the task's rows (no padded row's products)
+          const auto run = [&](auto chunk) {
+            run_task_pairs<QT, KT, D, decltype(chunk)::value>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group,
+                                                              scaling, task.job, kvh, task.e0, task.e1, part, lse);
+          };
+          switch (rows) {
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            default: run(std::integral_constant<int, 4>{}); break;
           }
-          continue;
+        } else {
+          run_task_pairs<QT, KT, D, 8>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling, task.job, kvh,
+                                       task.e0, task.e1, part, lse);
         }
+        return;
       }
-      run_task<QT, KT, D>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling, task.job,
-                          t % num_kv, task.e0, task.e1, part, lse);
+    }
+    run_task<QT, KT, D>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling, task.job, kvh, task.e0, task.e1,
+                        part, lse);
+  };
+  // With at least two tasks a thread, a unit is a task's every KV head, one after the other: a
+  // key's K (and V) rows of all heads lie side by side in the pool, so the heads after the first
+  // read lines the first one's pass brought into this core's cache.  Fewer tasks: a unit is one
+  // head of a task, for more units than threads.
+  const int64_t threads = at::get_num_threads();
+  const bool whole = static_cast<int64_t>(tasks.size()) >= 2 * threads;
+  const int64_t per_unit = whole ? num_kv : 1;
+  const int64_t n_units = static_cast<int64_t>(tasks.size()) * num_kv / per_unit;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t u = next.fetch_add(1); u < n_units; u = next.fetch_add(1)) {
+      for (int64_t t = u * per_unit; t < (u + 1) * per_unit; ++t) run_one(tasks[t / num_kv], t % num_kv);
     }
   });
 }
