@@ -62,6 +62,28 @@ def test_kernel_is_the_q8_arithmetic(rows: int, n: int, blocks: int, dtype: torc
 
 
 @needs_vnni
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8_offset"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: str) -> None:
+    """Each row of x gets the same bits alone as in a step of 2-17 rows (passes of 1-4 rows over
+    4 output rows, 5-8 over pairs, more as passes of 8): a verify step's rows are the decode
+    steps' own, so drafts keep the greedy tokens with the flag too."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 37, 11 * BLOCK4  # an output-row tail and a group tail of 3 blocks
+    base = torch.randn((n, k), generator=gen) * 0.05
+    if kind == "int4":
+        w = Int4Weight.quantize(base)
+        run = lambda x: OPS.int4_linear_q8(x, w.qs, w.d, w.m)  # noqa: E731
+    else:
+        w = Int8Weight.quantize(base, group=BLOCK4, asymmetric=kind == "int8_offset")
+        offset = w.offset if w.offset is not None else torch.empty(0)
+        run = lambda x: OPS.int8_linear_q8(x, w.q, w.scale, offset)  # noqa: E731
+    x = torch.randn((17, k), generator=gen)
+    alone = torch.cat([run(x[r : r + 1]) for r in range(17)])
+    for rows in (2, 3, 4, 5, 7, 8, 9, 17):
+        assert torch.equal(run(x[:rows]), alone[:rows]), rows
+
+
+@needs_vnni
 @pytest.mark.parametrize("rows", [1, 3, 6, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("n, blocks", [(5, 1), (13, 2), (130, 18), (7, 7)])
 @pytest.mark.parametrize("asymmetric", [False, True])
