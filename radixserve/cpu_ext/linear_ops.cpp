@@ -512,8 +512,9 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
 }
 
 // Output rows [n0, n1) of every row of x; `prefetch(n, nb)` asks for the next tile's weights.
-// Up to 4 rows of x go in one pass over 4 output rows, 5-8 in one pass over 2 (their
-// accumulators in registers), more as passes of 8 and the rest.
+// Up to 8 rows of x go in one pass over 4 output rows (5-8 rows spill some of the tile's weight
+// vectors, which still beat passes over pairs of output rows: q8 against the float kernel's time,
+// 5-8 rows, 0.98-1.06 against 1.04-1.10), more as passes of 8 and the rest.
 template <typename Rows, typename Prefetch>
 void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
              const Prefetch& prefetch) {
@@ -523,16 +524,10 @@ void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int6
       case 2: return q8_tile<Rows, 2, NB>(x, w, y, K, N, m, n, nb);
       case 3: return q8_tile<Rows, 3, NB>(x, w, y, K, N, m, n, nb);
       case 4: return q8_tile<Rows, 4, NB>(x, w, y, K, N, m, n, nb);
-      default: break;
-    }
-    for (int i = 0; i < nb; i += 2) {  // 5-8 rows: pairs of output rows
-      const int pair = std::min(2, nb - i);
-      switch (rows) {
-        case 5: q8_tile<Rows, 5, 2>(x, w, y, K, N, m, n + i, pair); break;
-        case 6: q8_tile<Rows, 6, 2>(x, w, y, K, N, m, n + i, pair); break;
-        case 7: q8_tile<Rows, 7, 2>(x, w, y, K, N, m, n + i, pair); break;
-        default: q8_tile<Rows, 8, 2>(x, w, y, K, N, m, n + i, pair); break;
-      }
+      case 5: return q8_tile<Rows, 5, NB>(x, w, y, K, N, m, n, nb);
+      case 6: return q8_tile<Rows, 6, NB>(x, w, y, K, N, m, n, nb);
+      case 7: return q8_tile<Rows, 7, NB>(x, w, y, K, N, m, n, nb);
+      default: return q8_tile<Rows, 8, NB>(x, w, y, K, N, m, n, nb);
     }
   };
   for (int64_t n = n0; n < n1; n += NB) {
