@@ -23,9 +23,9 @@ activations):
   ``--int8-activations`` they run ``int4_linear_q8`` / ``int8_linear_q8`` instead (the LM head
   aside): x quantized to int8 per 32 and VNNI integer dot products (llama.cpp's Q4 x Q8 and Q8 x
   Q8): the default model's 120 4-bit layers (bfloat16, cycled from memory, 2-core Xeon) at one
-  row 3.2 against 5.0 ms, 2 rows 4.2 against 4.7, 3-4 rows at parity, 5-8 rows 5-10% slower
-  (the float kernel expands each weight once for all rows); the agent loop's one-row step
-  10-14% faster, even with drafts; no longer the weights' exact products (bench/quant_accuracy.py);
+  row 3.2 against 5.0 ms, 2 rows 4.2 against 4.7, 3-8 rows within the noise of the float kernel
+  (which expands each weight once for all rows); the agent loop's one-row step 10-14% faster,
+  even with drafts; no longer the weights' exact products (bench/quant_accuracy.py);
 - more rows (prefill, large batches): the weight dequantized once per call into a shared buffer
   (the default model's layers: 25 ms in bfloat16, 57 in float32, on Zen 4) and the float
   matmul this CPU runs fastest at that many rows (float_linear.py): torch's blocked GEMM for a
