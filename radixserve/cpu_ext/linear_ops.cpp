@@ -328,8 +328,8 @@ void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint1
 #define RADIXSERVE_Q8_DOT 1
 constexpr int G4 = 4;  // blocks per group
 
-// One row of x as the kernel reads it: per group of G4 blocks, 128 bytes of xq (as xq + 128 and
-// as xq), 16 lanes of cx and 16 of dx (each block's value repeated over its 4 lanes; zeros past
+// One row of x as the kernel reads it: per group of G4 blocks, 128 bytes of xq (as xq + 128 for
+// int8 weights, as xq with 16 lanes of cx for 4-bit ones), 16 lanes of dx (each block's value repeated over its 4 lanes; zeros past
 // the last block); and each block's exact sum of x (zeros past the last block, to a whole vector).
 struct Q8Row {
   std::vector<uint8_t> xq;  // xq + 128 (for int8 weights: signed, the second operand of VPDPBUSD)
@@ -339,14 +339,18 @@ struct Q8Row {
   std::vector<float> sum;   // per block
 };
 
-void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
+// `nibbles`: the layout 4-bit weights read (xs and cx), else int8 weights' (xq).
+void quantize_row_q8(const float* x, int64_t K, bool nibbles, Q8Row& row) {
   const int64_t blocks = K / BLOCK4, groups = (blocks + G4 - 1) / G4;
-  row.xq.assign(groups * 128, 128);
-  row.xs.assign(groups * 128, 0);
-  row.cx.assign(groups * 16, 0);
+  if (nibbles) {
+    row.xs.assign(groups * 128, 0);
+    row.cx.assign(groups * 16, 0);
+  } else {
+    row.xq.assign(groups * 128, 128);
+  }
   row.dx.assign(groups * 16, 0.f);
   row.sum.assign((blocks + 15) / 16 * 16, 0.f);
-  const __m512i bias = _mm512_set1_epi32(128);
+  const __m512i bias = _mm512_set1_epi32(nibbles ? 0 : 128);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 a0 = _mm512_loadu_ps(x + b * BLOCK4), a1 = _mm512_loadu_ps(x + b * BLOCK4 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
@@ -355,8 +359,8 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
     // its exact sum still enters the offset term
     const float dx = amax / 127.f, inv = amax > 1e-30f ? 127.f / amax : 0.f;
     const int64_t g = b / G4, i = b % G4;
-    uint8_t* lo = row.xq.data() + g * 128 + i * 16;
-    // x * inv rounded half to even (as nearbyint), plus 128, as bytes: weights 0-15 and 16-31
+    uint8_t* lo = (nibbles ? reinterpret_cast<uint8_t*>(row.xs.data()) : row.xq.data()) + g * 128 + i * 16;
+    // x * inv rounded half to even (as nearbyint), plus the bias, as bytes: weights 0-15 and 16-31
     const __m512 iv = _mm512_set1_ps(inv);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(_mm512_add_epi32(
@@ -365,7 +369,7 @@ void quantize_row_q8(const float* x, int64_t K, Q8Row& row) {
         _mm512_cvt_roundps_epi32(_mm512_mul_ps(a1, iv), rnd), bias)));
     for (int l = 0; l < 4; ++l) row.dx[g * 16 + i * 4 + l] = dx;
   }
-  for (size_t k = 0; k < row.xq.size(); ++k) row.xs[k] = static_cast<int8_t>(row.xq[k] - 128);
+  if (!nibbles) return;
   // lane i of a group's sums holds bytes [4i, 4i + 4) of its low and of its high 64
   for (int64_t g = 0; g < groups; ++g)
     for (int lane = 0; lane < 16; ++lane) {
@@ -684,14 +688,15 @@ at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
 }
 
 #if RADIXSERVE_Q8_DOT
-// few_row_matmul over x's rows quantized for q8_tile: ``rows(q8_rows, y, n0, n1)``.
+// few_row_matmul over x's rows quantized for q8_tile (in 4-bit weights' layout with `nibbles`):
+// ``rows(q8_rows, y, n0, n1)``.
 template <typename Rows>
-at::Tensor q8_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
+at::Tensor q8_matmul(const at::Tensor& x, int64_t N, bool nibbles, const Rows& rows) {
   std::vector<float> xbuf;
   const float* xf = rows_as_float(x, xbuf);
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Q8Row> q8(M);
-  for (int64_t m = 0; m < M; ++m) quantize_row_q8(xf + m * K, K, q8[m]);
+  for (int64_t m = 0; m < M; ++m) quantize_row_q8(xf + m * K, K, nibbles, q8[m]);
   return few_row_matmul(x, xf, N, [&](const float*, float* yp, int64_t n0, int64_t n1) {
     rows(q8.data(), yp, n0, n1);
   });
@@ -769,7 +774,7 @@ at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tens
   const float* sp = scale.data_ptr<float>();
   const float* op = offset.numel() ? offset.data_ptr<float>() : nullptr;
   const ByteRows rows{wp, sp, op, K};
-  return q8_matmul(x, N, [&](const Q8Row* q8, float* yp, int64_t n0, int64_t n1) {
+  return q8_matmul(x, N, ByteRows::kNibbles, [&](const Q8Row* q8, float* yp, int64_t n0, int64_t n1) {
     q8_rows(q8, rows, yp, M, K, N, n0, n1, [&](int64_t n, int nb) {
       const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb), groups = K / BLOCK4;
       if (ahead > 0) {
@@ -854,7 +859,7 @@ at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor 
   const uint16_t* dp = half_bits(d);
   const uint16_t* mp = half_bits(mins);
   const NibbleRows w{qp, dp, mp, K};
-  return q8_matmul(x, N, [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
+  return q8_matmul(x, N, NibbleRows::kNibbles, [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
     q8_rows(rows, w, yp, M, K, N, n0, n1, [&](int64_t n, int nb) { prefetch_next_int4(qp, dp, mp, K, n, nb, n1); });
   });
 #else
