@@ -30,13 +30,14 @@ def _kernel_rows(dtype: torch.dtype, width: int, feature: str | None) -> range:
     :func:`cpu_bf16_feature`, AMX or AVX-512 BF16):
     - float32, AVX2 (8-float vectors, Zen 3): 28.7 against 45.6 ms at 1 row, 50.7 against 85-90
       ms at 8;
-    - float32, AVX-512 with AMX (Sapphire Rapids class): equal at 1 row (20.2 ms, the memory's
-      rate), torch ahead at 2-3, the loop at 4-8 (28.1 against 36.3 ms at 4, 33.6 against 47.7
-      at 8);
+    - float32, AVX-512 with AMX (Sapphire Rapids class), the layers' matrices: equal at 1-2 rows
+      (15.2-15.9 ms, the memory's rate; 16.8-17.5 at 2), the loop ahead from 3 (17.2-18.1
+      against 18.0-19.0 ms), 18 against 29 at 4, 21 against 34 at 8, 42 against 45 at 32;
     - float32, AVX-512 without AMX (Zen 4): the loop ahead at every count measured, 26 against
       56-66 ms at 1 row, 35 against 86 at 4, 65 against 110 at 16, 114 against 160 at 32;
-    - bfloat16 with AMX: 12.2 against 20.4 ms at 1 row, 18.9 against 21.7 at 4, torch ahead
-      from 6;
+    - bfloat16 with AMX, the layers' matrices: 9.2-9.6 against 16.6-16.7 ms at 1 row, 9.4
+      against 16.2-17.1 at 2, 10.8-11.2 against 16.7-18.4 at 4, 16.1-16.7 against 16.4-18.5 at
+      8, torch ahead from 10 (18.7-19.4 against 17.3-18.0);
     - bfloat16 with AVX-512 BF16 and no AMX (Zen 4): the loop ahead up to 24 rows (18.7 against
       32-42 ms at 1, 41 against 49-61 at 16, 62 against 77 at 24), even at 32;
     - bfloat16 without either: torch emulates it (1.3 GFLOP/s on Zen 3), and the loop, which
@@ -46,10 +47,10 @@ def _kernel_rows(dtype: torch.dtype, width: int, feature: str | None) -> range:
     if dtype == torch.float32:
         if width == 8:
             return range(1, KERNEL_MAX_ROWS + 1)
-        return range(4, KERNEL_MAX_ROWS + 1) if amx else range(1, 33)
+        return range(1, 33)
     if dtype == torch.bfloat16:
         if amx:
-            return range(1, 5)
+            return range(1, KERNEL_MAX_ROWS + 1)
         return range(1, 25) if feature else range(1, KERNEL_MAX_ROWS + 1)
     return range(0)
 
