@@ -8,8 +8,8 @@ the reference.  Each weight format in ``--quantizations`` then, in a fresh engin
   ``flip margin`` the reference's top-1 minus top-2 logprob at each first difference (how near
   a tie it was);
 - scores the reference tokens teacher-forced (prompt + reference as the input, SGLang's
-  ``input_token_logprobs``; with int8 activations one position at a time, each a one-row step,
-  since a prefill's rows do not take that path): ``mean / max |d logprob|`` against float32's own logprobs of them,
+  ``input_token_logprobs``; for quantized weights one position at a time, each a one-row step,
+  since a prefill's rows do not take the decode kernels): ``mean / max |d logprob|`` against float32's own logprobs of them,
   a measure that one near-tie does not decide, and ``forced``, the share of reference
   positions whose argmax (given the reference's prefix) is the reference token.
 ``weights MB`` is the bytes of the matmul weights as served.
@@ -70,9 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_engine(settings: dict[str, Any], prompts: list[list[int]], reference: list[list[int]] | None,
-               tokens: int) -> dict[str, Any]:
+               tokens: int, stepwise: bool = False) -> dict[str, Any]:
     """One engine with ``settings``: its greedy tokens for each prompt and its logprobs of
-    ``reference`` (its own tokens when None), teacher-forced."""
+    ``reference`` (its own tokens when None), teacher-forced: in one prefill, or with
+    ``stepwise`` one position at a time (:func:`score_stepwise`)."""
     from radixserve.engine import Engine
 
     params = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
@@ -80,7 +81,7 @@ def run_engine(settings: dict[str, Any], prompts: list[list[int]], reference: li
         info = engine.info.to_dict()
         outs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
         scored = reference or outs
-        score = score_stepwise if settings.get("int8_activations") else score_prefill
+        score = score_stepwise if stepwise else score_prefill
         scores = [score(engine, prompt, ref) for prompt, ref in zip(prompts, scored, strict=True)]
     return {"info": info, "output_ids": outs, "reference_logprobs": [s[0] for s in scores],
             "top_ids": [s[1] for s in scores], "margins": [s[2] for s in scores]}
@@ -162,7 +163,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for quant in args.quantizations:
         print(f"[{quant}] ...", flush=True)
-        got = run_engine(dict(base, **weight_settings(quant)), prompts, ref["output_ids"], args.tokens)
+        # quantized weights' decode rows go through kernels of their own (int8 activations; one-row
+        # steps of 4-bit weights in 16-bit x on an AVX-512 VNNI CPU), a prefill's through the float matmul
+        got = run_engine(dict(base, **weight_settings(quant)), prompts, ref["output_ids"], args.tokens,
+                         stepwise=quant != "none")
         rows.append({"quantization": quant, "served_as": got["info"]["quantization"], **agreement(ref, got)})
     header = ["weights", "served as", "identical", "first diff", "forced", "flip margin", "mean |d logprob|",
               "max |d logprob|"]

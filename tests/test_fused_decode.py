@@ -43,11 +43,11 @@ class Off:
 
 
 def scheduler(folder: str | None, dtype: str, quantization: str = "none", int8_activations: bool = False,
-              **settings: Any) -> Scheduler:
+              wide_one_row: bool = False, **settings: Any) -> Scheduler:
     args = ServerArgs.from_kwargs(model=folder, dtype=dtype, device="cpu", quantization=quantization,
                                   int8_activations=int8_activations, **settings).resolve()
     loaded = load_model(folder, getattr(torch, dtype), args.device, quantization=quantization,
-                        int8_activations=int8_activations)
+                        int8_activations=int8_activations, wide_one_row=wide_one_row)
     return Scheduler(args, loaded.model, loaded.config, None)
 
 
@@ -116,6 +116,16 @@ def test_fused_layers_with_int8_activations(tiny_model_dir) -> None:
     assert_same_bits(tiny_model_dir("llama"), "float32", quantization="int4", int8_activations=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_layers_with_wide_one_row_steps(tiny_model_dir, dtype: str) -> None:
+    """A lone request's one-row steps through int4_linear_q16, a batch's through int4_linear."""
+    if not cpu_ext.load().q8_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI: one-row steps keep int4_linear here")
+    assert assert_same_bits(tiny_model_dir("llama"), dtype, prompts=PROMPTS[:1], quantization="int4",
+                            wide_one_row=True) >= 5
+    assert_same_bits(tiny_model_dir("llama"), dtype, quantization="int4", wide_one_row=True)
+
+
 def test_fused_layers_verify_speculative_drafts(tiny_model_dir) -> None:
     """One request's verify steps (its next token and 7 drafts: 8 rows) take the fused layers."""
     prompt = [7, 8, 9, 10, 11] * 8
@@ -166,6 +176,10 @@ def test_default_model_fused_decode_is_exact(default_model_path: str) -> None:
     calls = assert_same_bits(None, "bfloat16", prompts=prompts, quantization="gguf",
                              params={"max_new_tokens": 8})
     assert calls >= 7
+    # a server that drafts nothing: one request's one-row steps through int4_linear_q16 where the
+    # CPU has AVX-512 VNNI
+    assert assert_same_bits(None, "bfloat16", prompts=prompts[:1], quantization="gguf", wide_one_row=True,
+                            params={"max_new_tokens": 8}) >= 7
 
 
 def test_a_model_off_the_cpu_never_builds_the_cpu_kernels(tiny_model_dir, monkeypatch) -> None:

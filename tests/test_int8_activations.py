@@ -150,7 +150,7 @@ def test_every_quantized_layer_takes_it(tiny_model_dir, mode: str) -> None:
     assert all(w.int8_activations for w in layers)
     head = model.lm_head.weight
     assert isinstance(head, Int8Weight) and not head.int8_activations
-    assert head.kernel_args()[0] == "int8_linear"
+    assert head.kernel_args(1)[0] == "int8_linear"
 
 
 def test_no_kernels_or_no_vnni_refuses_it(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:

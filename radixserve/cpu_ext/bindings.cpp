@@ -26,6 +26,7 @@ void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor offset, at::Tensor
 at::Tensor float_linear(at::Tensor x, at::Tensor w);
 at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
+at::Tensor int4_linear_q16(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor offset);
 bool q8_supported();
 void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out);
@@ -46,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dequant_", &int8_dequant_, "out <- w * scale (+ offset), per group of a row of int8 w [N, K], in out's dtype");
   m.def("int4_linear", &int4_linear, "x [M, K] times a 4-bit weight (blocks of 32: d * q + m) -> [M, N] in x's dtype");
   m.def("int4_linear_q8", &int4_linear_q8, "int4_linear with x quantized to int8 per block of 32 (AVX-512 VNNI)");
+  m.def("int4_linear_q16", &int4_linear_q16, "int4_linear with x in 16-bit integers per block of 32 (AVX-512 VNNI)");
   m.def("int8_linear_q8", &int8_linear_q8, "int8_linear (groups of 32) with x quantized to int8 per block of 32 (AVX-512 VNNI)");
   m.def("q8_supported", &q8_supported, "whether int4_linear_q8 and int8_linear_q8 run in this build");
   m.def("int4_dequant_", &int4_dequant_, "out <- d * q + m of a 4-bit weight, in out's dtype");

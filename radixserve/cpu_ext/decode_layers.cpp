@@ -31,6 +31,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
 at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor offset);
 at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
+at::Tensor int4_linear_q16(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 
 namespace {
 
@@ -39,7 +40,7 @@ constexpr int64_t LAYER_POOLS = 4;
 constexpr int64_t PLAN_TENSORS = 7;
 
 // How a layer's matmul runs (fused_decode.py's kinds: the Python path's choice for the step's rows).
-enum Linear : int64_t { FLOAT_KERNEL = 0, FLOAT_TORCH = 1, INT8 = 2, INT8_Q8 = 3, INT4 = 4, INT4_Q8 = 5 };
+enum Linear : int64_t { FLOAT_KERNEL = 0, FLOAT_TORCH = 1, INT8 = 2, INT8_Q8 = 3, INT4 = 4, INT4_Q8 = 5, INT4_Q16 = 6 };
 
 // x times the weight of tensors t[0..2], plus the bias t[3] where it has elements: as
 // quantization.linear (a kernel's result plus the bias, or torch's linear with it).
@@ -54,6 +55,7 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor* t) {
     case INT8_Q8: y = int8_linear_q8(x, t[0], t[1], t[2]); break;
     case INT4: y = int4_linear(x, t[0], t[1], t[2]); break;
     case INT4_Q8: y = int4_linear_q8(x, t[0], t[1], t[2]); break;
+    case INT4_Q16: y = int4_linear_q16(x, t[0], t[1], t[2]); break;
     default: TORCH_CHECK(false, "DecodeLayers: unknown linear kind ", kind);
   }
   return bias.numel() ? y.add(bias) : y;  // y + bias

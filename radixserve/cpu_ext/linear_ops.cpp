@@ -334,17 +334,42 @@ constexpr int G4 = 4;  // blocks per group
 struct Q8Row {
   std::vector<uint8_t> xq;  // xq + 128 (for int8 weights: signed, the second operand of VPDPBUSD)
   std::vector<int8_t> xs;   // xq (for 4-bit weights: unsigned nibbles, the first operand)
+  std::vector<int8_t> xl;   // wide rows: x16 = 256 xs + xl (xl's bytes in xs's layout)
   std::vector<int32_t> cx;  // per lane, 8 times the sum of its 8 xq: sum (q - 8) xq = sum q xq - cx
   std::vector<float> dx;
   std::vector<float> sum;   // per block
 };
 
-// `nibbles`: the layout 4-bit weights read (xs and cx), else int8 weights' (xq).
-void quantize_row_q8(const float* x, int64_t K, bool nibbles, Q8Row& row) {
+// The largest |x16| of a wide row: 127 * 257, so that x16 = 256 xs + xl with xl in [-128, 127]
+// leaves xs in [-127, 127].
+constexpr float Q16_MAX = 32639.f;
+
+// A block of x times `inv` as 16-bit integers split into signed bytes, x16 = 256 hi + lo (lo in
+// [-128, 127]), stored at `hi` and `lo` (weights 0-15 and 16-31 64 bytes apart).
+inline void split_block16(__m512 a0, __m512 a1, float inv, int8_t* hi, int8_t* lo) {
+  const __m512 iv = _mm512_set1_ps(inv);
+  const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+  for (int half = 0; half < 2; ++half) {
+    const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(half ? a1 : a0, iv), rnd);
+    const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
+    const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + half * 64), _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + half * 64), _mm512_cvtepi32_epi8(l));
+  }
+}
+
+// `nibbles`: the layout 4-bit weights read (xs and cx), else int8 weights' (xq); `wide` (with
+// nibbles): x in 16 bits as two bytes (xs and xl), dx = amax / Q16_MAX.
+void quantize_row_q8(const float* x, int64_t K, bool nibbles, bool wide, Q8Row& row) {
   const int64_t blocks = K / BLOCK4, groups = (blocks + G4 - 1) / G4;
   if (nibbles) {
     row.xs.assign(groups * 128, 0);
-    row.cx.assign(groups * 16, 0);
+    if (wide) {
+      row.xl.assign(groups * 128, 0);
+    } else {
+      row.cx.assign(groups * 16, 0);
+    }
   } else {
     row.xq.assign(groups * 128, 128);
   }
@@ -357,8 +382,14 @@ void quantize_row_q8(const float* x, int64_t K, bool nibbles, Q8Row& row) {
     row.sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
     // a block below 1e-30 in magnitude (where 127 / amax could overflow) counts as zeros here;
     // its exact sum still enters the offset term
-    const float dx = amax / 127.f, inv = amax > 1e-30f ? 127.f / amax : 0.f;
+    const float top = wide ? Q16_MAX : 127.f;
+    const float dx = amax / top, inv = amax > 1e-30f ? top / amax : 0.f;
     const int64_t g = b / G4, i = b % G4;
+    for (int l = 0; l < 4; ++l) row.dx[g * 16 + i * 4 + l] = dx;
+    if (wide) {
+      split_block16(a0, a1, inv, row.xs.data() + g * 128 + i * 16, row.xl.data() + g * 128 + i * 16);
+      continue;
+    }
     uint8_t* lo = (nibbles ? reinterpret_cast<uint8_t*>(row.xs.data()) : row.xq.data()) + g * 128 + i * 16;
     // x * inv rounded half to even (as nearbyint), plus the bias, as bytes: weights 0-15 and 16-31
     const __m512 iv = _mm512_set1_ps(inv);
@@ -367,9 +398,8 @@ void quantize_row_q8(const float* x, int64_t K, bool nibbles, Q8Row& row) {
         _mm512_cvt_roundps_epi32(_mm512_mul_ps(a0, iv), rnd), bias)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 64), _mm512_cvtepi32_epi8(_mm512_add_epi32(
         _mm512_cvt_roundps_epi32(_mm512_mul_ps(a1, iv), rnd), bias)));
-    for (int l = 0; l < 4; ++l) row.dx[g * 16 + i * 4 + l] = dx;
   }
-  if (!nibbles) return;
+  if (!nibbles || wide) return;
   // lane i of a group's sums holds bytes [4i, 4i + 4) of its low and of its high 64
   for (int64_t g = 0; g < groups; ++g)
     for (int lane = 0; lane < 16; ++lane) {
@@ -423,13 +453,16 @@ struct NibbleRows {
     hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
     scale = _mm512_permutexvar_ps(kSpread, halves4(lanes, d + r * (K / BLOCK4) + g * G4));
   }
-  template <int MT>
+  // CENTRED: the sums were of q - 8 (m + 8 d times each block's sum of x), else of q (m times it)
+  template <int MT, bool CENTRED>
   void centres(int64_t r, const Q8Row* x, float* out) const {
     const int64_t blocks = K / BLOCK4;
     const uint16_t *dr = d + r * blocks, *mr = mins + r * blocks;
     centre_sums<MT>(x, blocks, [&](int64_t b, __mmask16 live) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mr + b));
+      if constexpr (!CENTRED) return mv;
       const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, dr + b));
-      return _mm512_fmadd_ps(dv, _mm512_set1_ps(8.f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mr + b)));
+      return _mm512_fmadd_ps(dv, _mm512_set1_ps(8.f), mv);
     }, out);
   }
 };
@@ -453,7 +486,7 @@ struct ByteRows {
     hi = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1));
     scale = _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, scale_ + r * (K / BLOCK4) + g * G4));
   }
-  template <int MT>
+  template <int MT, bool>
   void centres(int64_t r, const Q8Row* x, float* out) const {
     if (offset == nullptr) {  // symmetric groups: no term
       for (int j = 0; j < MT; ++j) out[j] = 0.f;
@@ -466,7 +499,7 @@ struct ByteRows {
 
 // Rows [m, m + MT) of x times output rows [n, n + nb) (nb <= R).  Per group the R rows' weights
 // are formed once, then each row of x is loaded once for all R of them.
-template <typename Rows, int MT, int R>
+template <typename Rows, int MT, int R, bool WIDE>
 inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
   const int64_t blocks = K / BLOCK4, groups = (blocks + G4 - 1) / G4;
   const __m512i ones = _mm512_set1_epi8(1);
@@ -488,7 +521,19 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
     for (int j = 0; j < MT; ++j) {
       const Q8Row& xr = x[m + j];
       const __m512 dxv = _mm512_loadu_ps(xr.dx.data() + g * 16);
-      if constexpr (Rows::kNibbles) {
+      if constexpr (WIDE) {
+        // x16's high bytes' sums, times 256, then its low bytes' added: the sums of q x16
+        const __m512i xlo = _mm512_loadu_si512(xr.xs.data() + g * 128);
+        const __m512i xhi = _mm512_loadu_si512(xr.xs.data() + g * 128 + 64);
+        const __m512i llo = _mm512_loadu_si512(xr.xl.data() + g * 128);
+        const __m512i lhi = _mm512_loadu_si512(xr.xl.data() + g * 128 + 64);
+        for (int i = 0; i < R; ++i) {
+          const __m512i high = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[i], xlo), whi[i], xhi);
+          const __m512i sums =
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), wlo[i], llo), whi[i], lhi);
+          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
+        }
+      } else if constexpr (Rows::kNibbles) {
         const __m512i xlo = _mm512_loadu_si512(xr.xs.data() + g * 128);
         const __m512i xhi = _mm512_loadu_si512(xr.xs.data() + g * 128 + 64);
         const __m512i cx = _mm512_loadu_si512(xr.cx.data() + g * 16);
@@ -510,7 +555,7 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
   }
   for (int i = 0; i < nb; ++i) {
     float centre[MT];
-    w.template centres<MT>(n + i, x + m, centre);
+    w.template centres<MT, !WIDE>(n + i, x + m, centre);
     for (int j = 0; j < MT; ++j) y[(m + j) * N + n + i] = _mm512_reduce_add_ps(acc[j][i]) + centre[j];
   }
 }
@@ -519,19 +564,19 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
 // Up to 8 rows of x go in one pass over 4 output rows (5-8 rows spill some of the tile's weight
 // vectors, which still beat passes over pairs of output rows: q8 against the float kernel's time,
 // 5-8 rows, 0.98-1.06 against 1.04-1.10), more as passes of 8 and the rest.
-template <typename Rows, typename Prefetch>
+template <typename Rows, bool WIDE = false, typename Prefetch>
 void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
              const Prefetch& prefetch) {
   const auto pass = [&](int64_t m, int64_t rows, int64_t n, int nb) {
     switch (rows) {
-      case 1: return q8_tile<Rows, 1, NB>(x, w, y, K, N, m, n, nb);
-      case 2: return q8_tile<Rows, 2, NB>(x, w, y, K, N, m, n, nb);
-      case 3: return q8_tile<Rows, 3, NB>(x, w, y, K, N, m, n, nb);
-      case 4: return q8_tile<Rows, 4, NB>(x, w, y, K, N, m, n, nb);
-      case 5: return q8_tile<Rows, 5, NB>(x, w, y, K, N, m, n, nb);
-      case 6: return q8_tile<Rows, 6, NB>(x, w, y, K, N, m, n, nb);
-      case 7: return q8_tile<Rows, 7, NB>(x, w, y, K, N, m, n, nb);
-      default: return q8_tile<Rows, 8, NB>(x, w, y, K, N, m, n, nb);
+      case 1: return q8_tile<Rows, 1, NB, WIDE>(x, w, y, K, N, m, n, nb);
+      case 2: return q8_tile<Rows, 2, NB, WIDE>(x, w, y, K, N, m, n, nb);
+      case 3: return q8_tile<Rows, 3, NB, WIDE>(x, w, y, K, N, m, n, nb);
+      case 4: return q8_tile<Rows, 4, NB, WIDE>(x, w, y, K, N, m, n, nb);
+      case 5: return q8_tile<Rows, 5, NB, WIDE>(x, w, y, K, N, m, n, nb);
+      case 6: return q8_tile<Rows, 6, NB, WIDE>(x, w, y, K, N, m, n, nb);
+      case 7: return q8_tile<Rows, 7, NB, WIDE>(x, w, y, K, N, m, n, nb);
+      default: return q8_tile<Rows, 8, NB, WIDE>(x, w, y, K, N, m, n, nb);
     }
   };
   for (int64_t n = n0; n < n1; n += NB) {
@@ -756,12 +801,12 @@ at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
 // few_row_matmul over x's rows quantized for q8_tile (in 4-bit weights' layout with `nibbles`):
 // ``rows(q8_rows, y, n0, n1)``.
 template <typename Rows>
-at::Tensor q8_matmul(const at::Tensor& x, int64_t N, bool nibbles, const Rows& rows) {
+at::Tensor q8_matmul(const at::Tensor& x, int64_t N, bool nibbles, const Rows& rows, bool wide = false) {
   std::vector<float> xbuf;
   const float* xf = rows_as_float(x, xbuf);
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Q8Row> q8(M);
-  for (int64_t m = 0; m < M; ++m) quantize_row_q8(xf + m * K, K, nibbles, q8[m]);
+  for (int64_t m = 0; m < M; ++m) quantize_row_q8(xf + m * K, K, nibbles, wide, q8[m]);
   return few_row_matmul(x, xf, N, [&](const float*, float* yp, int64_t n0, int64_t n1) {
     rows(q8.data(), yp, n0, n1);
   });
@@ -915,22 +960,45 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor min
 
 // As int4_linear, with each row of x quantized to int8 per block of 32 (see q8_tile): where the
 // CPU has AVX-512 VNNI (q8_supported), an error elsewhere.
-at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins) {
-  TORCH_CHECK(x.dim() == 2, "int4_linear_q8: x [M, K]");
+namespace {
+// int4_linear with x quantized per block of 32: in int8 (int4_linear_q8), or `wide` in 16 bits.
+at::Tensor int4_linear_x(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins, bool wide, const char* name) {
+  TORCH_CHECK(x.dim() == 2, name, ": x [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  check_int4(qs, d, mins, K, "int4_linear_q8");
+  check_int4(qs, d, mins, K, name);
 #if RADIXSERVE_Q8_DOT
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const uint16_t* dp = half_bits(d);
   const uint16_t* mp = half_bits(mins);
   const NibbleRows w{qp, dp, mp, K};
   return q8_matmul(x, N, NibbleRows::kNibbles, [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
-    q8_rows(rows, w, yp, M, K, N, n0, n1, [&](int64_t n, int nb) { prefetch_next_int4(qp, dp, mp, K, n, nb, n1); });
-  });
+    const auto prefetch = [&](int64_t n, int nb) { prefetch_next_int4(qp, dp, mp, K, n, nb, n1); };
+    if (wide) {
+      q8_rows<NibbleRows, true>(rows, w, yp, M, K, N, n0, n1, prefetch);
+    } else {
+      q8_rows<NibbleRows, false>(rows, w, yp, M, K, N, n0, n1, prefetch);
+    }
+  }, wide);
 #else
-  TORCH_CHECK(false, "int4_linear_q8: this build has no AVX-512 VNNI");
+  TORCH_CHECK(false, name, ": this build has no AVX-512 VNNI");
   return x;
 #endif
+}
+}  // namespace
+
+at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins) {
+  return int4_linear_x(x, qs, d, mins, false, "int4_linear_q8");
+}
+
+// int4_linear with x in 16-bit integers per block of 32: x16 = round(x / dx), dx = amax / Q16_MAX,
+// stored as two signed bytes (x16 = 256 hi + lo), so that the same VPDPBUSD sums of the nibbles
+// with each byte give sum q x16 = 256 sum q hi + sum q lo, exact in int32 and in its conversion
+// to float (|sum| < 2^24 a lane); then d dx sum q x16 + m sum x.  The only error is x's rounding,
+// at most dx / 2 an element (against int8 activations' amax / 254: 257x smaller).  Not centred
+// on q = 8 as int4_linear_q8 is: at this precision the two terms' cancellation costs nothing
+// measurable, and the centring's subtraction goes.  Where it runs: radixserve/quantization/.
+at::Tensor int4_linear_q16(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins) {
+  return int4_linear_x(x, qs, d, mins, true, "int4_linear_q16");
 }
 
 // Whether int4_linear_q8 and int8_linear_q8 run here (the kernels were built for AVX-512 VNNI).

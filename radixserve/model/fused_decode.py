@@ -28,17 +28,20 @@ if TYPE_CHECKING:
 # How DecodeLayers runs a matmul (decode_layers.cpp's Linear): a float weight through the C++
 # loop or torch, a quantized one through the kernel its kernel_args name.
 FLOAT_KERNEL, FLOAT_TORCH = 0, 1
-QUANTIZED_KINDS = {"int8_linear": 2, "int8_linear_q8": 3, "int4_linear": 4, "int4_linear_q8": 5}
+QUANTIZED_KINDS = {"int8_linear": 2, "int8_linear_q8": 3, "int4_linear": 4, "int4_linear_q8": 5, "int4_linear_q16": 6}
 _EMPTY = torch.empty(0)
 
 
-def _linear_parts(module: torch.nn.Module) -> tuple[int | None, list[torch.Tensor]] | None:
-    """A layer's matmul as DecodeLayers takes it: its kind (None: a float weight, whose kind
-    depends on the step's rows) and its weight tensors then bias; None if it cannot."""
+def _linear_parts(module: torch.nn.Module) -> tuple[tuple[int, int] | None, list[torch.Tensor]] | None:
+    """A layer's matmul as DecodeLayers takes it: its kinds for a step of one row and of more
+    (None: a float weight, whose kind float_linear picks by the rows) and its weight tensors then
+    bias; None if it cannot."""
     w, bias = module.weight, module.bias if module.bias is not None else _EMPTY
     if isinstance(w, QuantizedWeight):
-        name, tensors = w.kernel_args()
-        return (QUANTIZED_KINDS[name], [*tensors, bias]) if name in QUANTIZED_KINDS and len(tensors) == 3 else None
+        (one, tensors), (many, _) = w.kernel_args(1), w.kernel_args(2)
+        if one not in QUANTIZED_KINDS or many not in QUANTIZED_KINDS or len(tensors) != 3:
+            return None
+        return (QUANTIZED_KINDS[one], QUANTIZED_KINDS[many]), [*tensors, bias]
     if isinstance(w, torch.Tensor) and w.dim() == 2:
         return None, [w, _EMPTY, _EMPTY, bias]
     return None
@@ -66,7 +69,7 @@ class FusedDecode:
         self.pool: object = None
         self.native = None  # the C++ DecodeLayers over the lists and the pool's tensors
         self.weights: list[torch.Tensor] = []
-        self.kinds: list[int | None] = []
+        self.kinds: list[tuple[int, int] | None] = []
         self.float_weights: list[torch.Tensor] = []
         self._kinds_by_rows: dict[int, list[int]] = {}
 
@@ -94,7 +97,7 @@ class FusedDecode:
         if rows not in self._kinds_by_rows:
             it = iter(self.float_weights)
             self._kinds_by_rows[rows] = [
-                k if k is not None else (FLOAT_KERNEL if kernel_takes(rows, next(it)) else FLOAT_TORCH)
+                k[rows > 1] if k is not None else (FLOAT_KERNEL if kernel_takes(rows, next(it)) else FLOAT_TORCH)
                 for k in self.kinds]
         return self._kinds_by_rows[rows]
 

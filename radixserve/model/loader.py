@@ -77,15 +77,15 @@ def iter_safetensors(folder: str, dtype: torch.dtype) -> Iterator[tuple[str, tor
 def load_model(
     model_path: str | None, dtype: torch.dtype, device: torch.device | str = "cpu",
     tp: TensorParallel = SINGLE, load_format: str = "auto", quantization: str = "none",
-    gguf_path: str | None = None, int8_activations: bool = False,
+    gguf_path: str | None = None, int8_activations: bool = False, wide_one_row: bool = False,
 ) -> LoadedModel:
     """Build the model for ``model_path`` (None = default model) with weights in ``dtype``;
     with ``tp``, only this rank's shard of them.  ``load_format="dummy"`` needs only the
     folder's config.json: the weights are random (seeded), for benchmarks of a model's shape.
     ``quantization``: one of :data:`radixserve.config.QUANTIZATIONS` (radixserve/quantization/);
     ``gguf`` serves the blocks of ``gguf_path``, by default the .gguf behind ``model_path`` (a
-    caller that passes the converted folder names the file); ``int8_activations``: see
-    :func:`radixserve.quantization.quantize_model`."""
+    caller that passes the converted folder names the file); ``int8_activations``,
+    ``wide_one_row``: see :func:`radixserve.quantization.quantize_model`."""
     folder = resolve_model_path(model_path)
     hf_config = read_config(folder)
     config = ModelConfig.from_hf(hf_config, dtype, folder)
@@ -103,7 +103,7 @@ def load_model(
 
     gguf_path = None if load_format == "dummy" else gguf_path or gguf_source(model_path)
     quantization = resolve_quantization(quantization, gguf_path, torch.device(device).type == "cpu", tp.size)
-    quantize_model(model, quantization, gguf_path, int8_activations)
+    quantize_model(model, quantization, gguf_path, int8_activations, wide_one_row)
     if torch.device(device).type == "cpu":  # one huge-page block: fewer TLB misses per step
         pack_weights(model)
     model.eval()

@@ -26,6 +26,14 @@ activations):
   row 3.2 against 5.0 ms, 2 rows 4.2 against 4.7, 3-8 rows within the noise of the float kernel
   (which expands each weight once for all rows); the agent loop's one-row step 10-14% faster,
   even with drafts; no longer the weights' exact products (bench/quant_accuracy.py);
+  without that flag, on such a CPU, a server that drafts no tokens takes the one-row steps of
+  4-bit weights through ``int4_linear_q16`` (``wide_one_row``): x in 16-bit integers per 32
+  (|error| at most amax / 65,278 a block, against bfloat16's own amax / 512), each as two signed
+  bytes through the same VNNI dot products.  The default model's 4-bit layers at one row 2.7-2.9
+  against 3.7-4.0 ms (2-core Xeon, cycled); a one-row step in-process, interleaved, 9.60 -> 9.04
+  ms in bfloat16 and 10.79 -> 10.09 in float32.  At 2-8 rows it is slower than the float kernel
+  (8 rows 11.5-12.9 against 8.8-10.4 ms: twice q8's dot products), and a speculative verify's rows
+  must be the one-row steps' own bits, so a server with drafts keeps the float kernel;
 - more rows (prefill, large batches): the weight dequantized once per call into a shared buffer
   (the default model's layers: 25 ms in bfloat16, 57 in float32, on Zen 4) and the float
   matmul this CPU runs fastest at that many rows (float_linear.py): torch's blocked GEMM for a
@@ -105,12 +113,15 @@ def mark_weights_changed() -> None:
     _changes[0] += 1
 
 
-def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, int8_activations: bool = False) -> None:
+def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, int8_activations: bool = False,
+                   wide_one_row: bool = False) -> None:
     """Replace, in place, the weight of every linear layer that has one (and of a tied
     embedding) by its quantized form.  ``mode`` is one of :data:`QUANTIZATIONS` (``auto``
     resolved); ``gguf`` takes the blocks of ``gguf_path``, the file the model was converted from;
     ``int8_activations``: the decode rows of the 4-bit weights and of int8 groups of 32 (the LM
-    head's aside) through ``int4_linear_q8`` / ``int8_linear_q8``."""
+    head's aside) through ``int4_linear_q8`` / ``int8_linear_q8``; ``wide_one_row`` (ignored with
+    it, or where the kernels lack AVX-512 VNNI): one-row steps of 4-bit weights through
+    ``int4_linear_q16`` (the top of this file)."""
     if mode not in QUANTIZATIONS or mode == "auto":
         raise ValueError(f"quantization must be one of {[q for q in QUANTIZATIONS if q != 'auto']}, got {mode!r}")
     if int8_activations:
@@ -137,6 +148,21 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
     if int8_activations:
         log.info("int8 activations: decode rows through %d quantized layer(s) quantize x to int8 per %d "
                  "(AVX-512 VNNI dot products)", len(taking), BLOCK4)
+    elif wide_one_row:
+        _take_wide_one_row(model)
+
+
+def _take_wide_one_row(model: nn.Module) -> None:
+    """Mark the 4-bit weights' one-row steps for ``int4_linear_q16`` where this CPU's kernels
+    run it."""
+    ops = cpu_ext.load()
+    weights = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), Int4Weight)]
+    if not weights or ops is None or not ops.q8_supported():
+        return
+    for weight in weights:
+        weight.wide_one_row = True
+    log.info("one-row steps of %d 4-bit layer(s) take x in 16-bit integers per %d (AVX-512 VNNI dot products)",
+             len(weights), BLOCK4)
 
 
 def _head_module(model: nn.Module) -> nn.Module | None:

@@ -30,14 +30,15 @@ class QuantizedWeight:
         """Write the float weight into ``out`` (``[N, K]``, the matmul's dtype)."""
         out.copy_(self.dequantized(out.dtype))
 
-    def kernel_args(self) -> tuple[str, tuple[torch.Tensor, ...]]:
-        """The C++ kernel a few rows go through (its name in cpu_ext) and the weight's tensors it
-        takes after x: what :meth:`kernel_matmul` calls, and model/fused_decode.py too."""
+    def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        """The C++ kernel a step of ``rows`` rows goes through (its name in cpu_ext) and the
+        weight's tensors it takes after x: what :meth:`kernel_matmul` calls, and
+        model/fused_decode.py too."""
         raise NotImplementedError
 
     def kernel_matmul(self, ops: object, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` for a few rows through the C++ kernel, in x's dtype (float32 sums rounded once)."""
-        name, tensors = self.kernel_args()
+        name, tensors = self.kernel_args(x.shape[0])
         return getattr(ops, name)(x, *tensors)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -111,7 +112,7 @@ class Int8Weight(QuantizedWeight):
     def dequantize_into(self, out: torch.Tensor) -> None:
         cpu_ext.load().int8_dequant_(self.q, self.scale, self._offset_arg(), out)
 
-    def kernel_args(self) -> tuple[str, tuple[torch.Tensor, ...]]:
+    def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
         return ("int8_linear_q8" if self.int8_activations else "int8_linear"), (self.q, self.scale, self._offset_arg())
 
     def _offset_arg(self) -> torch.Tensor:
@@ -152,6 +153,7 @@ class Int4Weight(QuantizedWeight):
         self.m = m.to(torch.float16).contiguous()
         self.dtype, self.shape = dtype, torch.Size((n, k))
         self.int8_activations = False  # kernel rows through int4_linear_q8 (quantize_model sets it)
+        self.wide_one_row = False  # one-row steps through int4_linear_q16 (quantize_model sets it)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
@@ -176,8 +178,10 @@ class Int4Weight(QuantizedWeight):
     def dequantize_into(self, out: torch.Tensor) -> None:
         cpu_ext.load().int4_dequant_(self.qs, self.d, self.m, out)
 
-    def kernel_args(self) -> tuple[str, tuple[torch.Tensor, ...]]:
-        return ("int4_linear_q8" if self.int8_activations else "int4_linear"), (self.qs, self.d, self.m)
+    def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        if self.int8_activations:
+            return "int4_linear_q8", (self.qs, self.d, self.m)
+        return ("int4_linear_q16" if self.wide_one_row and rows == 1 else "int4_linear"), (self.qs, self.d, self.m)
 
     def rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         qs, d, m = (self.qs, self.d, self.m) if ids is None else (self.qs[ids], self.d[ids], self.m[ids])

@@ -179,7 +179,9 @@ def _start(args: ServerArgs, model_path: str, folder: str) -> tuple[Any, m.Model
     loaded = load_model(model_path, dtype=getattr(torch, args.dtype), device=args.device, tp=tp,
                         load_format=args.load_format, quantization=args.quantization,
                         gguf_path=gguf_source(args.model) if args.quantization == "gguf" else None,
-                        int8_activations=args.int8_activations)
+                        int8_activations=args.int8_activations,
+                        # a verify step's rows must be the one-row steps' own bits (quantization/)
+                        wide_one_row=args.speculative_algorithm is None)
     kind = Scheduler if args.disaggregation_mode == "null" else DisaggScheduler
     sched = kind(args, loaded.model, loaded.config, None)
     # Stop strings only decode (the tokenizers library, milliseconds); grammars need the
