@@ -105,3 +105,31 @@ def test_without_vnni_no_weight_is_marked(tiny_model_dir, monkeypatch: pytest.Mo
         quantize_model(model, "int4", None, wide_one_row=True)
         w = model.model.layers[0].mlp.down_proj.weight
         assert isinstance(w, Int4Weight) and not w.wide_one_row and w.kernel_args(1)[0] == "int4_linear"
+
+
+@needs_vnni
+def test_the_server_takes_it_without_drafts_only(default_model_path: str) -> None:
+    """The real server processes: without drafts the one-row steps' logprobs differ from the same
+    tokens scored in one 8-row step (the float kernel) by a 16-bit rounding's worth; with ngram
+    drafts every step keeps the float kernel and the two agree to float order.  The same greedy
+    text either way, and the KV memory back to free."""
+    from radixserve.engine import Engine
+    from radixserve.tokenizer import load_tokenizer
+
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    ids = load_tokenizer(default_model_path).encode(prompt, add_special_tokens=False)
+    texts, gaps = {}, {}
+    for spec in (None, "ngram"):
+        with Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm=spec) as engine:
+            out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0},
+                                  return_logprob=True)
+            scored = engine.generate(input_ids=ids + out["output_ids"], sampling_params={"max_new_tokens": 0},
+                                     return_logprob=True, logprob_start_len=len(ids))
+            report = engine.check_memory()
+            assert report["ok"] and report["locked_tokens"] == 0 and report["request_pages"] == 0, report
+        texts[spec] = out["output_ids"]
+        decoded = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        forced = [e[0] for e in scored["meta_info"]["input_token_logprobs"]]
+        gaps[spec] = max(abs(a - b) for a, b in zip(decoded, forced, strict=True))
+    assert texts[None] == texts["ngram"]
+    assert 5 * gaps["ngram"] < gaps[None] < 1e-2, gaps
