@@ -12,6 +12,7 @@ of ``question_len`` tokens, interleaved across groups (g0q0, g1q0, ..., g0q1, g1
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import json
@@ -37,14 +38,32 @@ CORPUS_MODULES = (
 MIN_PARAGRAPH_WORDS = 8
 
 
+def _source_functions(module: Any) -> dict[str, str]:
+    """The docstrings of the module's top-level functions as its source defines them."""
+    try:  # the file itself: inspect.getsource goes through the function that may be replaced
+        with open(module.__file__, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    return {node.name: ast.get_docstring(node) or "" for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 def _docstrings(module_name: str) -> Iterator[str]:
-    """The module's docstring, then those of its own public classes, their methods, functions."""
+    """The module's docstring, then those of its own public classes, their methods, functions.
+    A function another import replaced at run time (torch replaces ``inspect.getfile``) keeps
+    its source's docstring, so the corpus does not depend on what the process imported first."""
     module = importlib.import_module(module_name)
     yield inspect.getdoc(module) or ""
+    source_functions: dict[str, str] | None = None
     for name, obj in sorted(vars(module).items()):
         if name.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
             continue
-        if obj.__module__ != module.__name__:  # re-exported from elsewhere
+        if obj.__module__ != module.__name__:  # re-exported from elsewhere, or replaced
+            if source_functions is None:
+                source_functions = _source_functions(module)
+            if inspect.isfunction(obj) and name in source_functions:
+                yield source_functions[name]
             continue
         if inspect.isclass(obj):
             yield inspect.getdoc(obj) or ""

@@ -17,6 +17,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.workloads import (  # noqa: E402
+    english_paragraphs,
     multi_turn_workload,
     offline_multi_turn,
     offline_shared_prefix,
@@ -56,6 +57,21 @@ def test_workload_has_exact_sizes_shared_systems_and_distinct_questions(tokenize
     assert again.prompts == work.prompts
     other = shared_prefix_workload(tokenizer, groups, questions, system_len, question_len, seed=6)
     assert other.prompts != work.prompts
+
+
+def test_the_corpus_does_not_depend_on_what_was_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An import that replaces a corpus module's function (torch replaces inspect.getfile)
+    leaves every paragraph and its order: a benchmark's prompts are the same in any process."""
+    import inspect
+
+    before = english_paragraphs()
+    assert "Work out which source or compiled file an object was defined in." in before
+
+    def replaced(obj: object) -> str:  # defined here: its __module__ is this test's
+        return ""
+
+    monkeypatch.setattr(inspect, "getfile", replaced)
+    assert english_paragraphs() == before
 
 
 def test_multi_turn_turns_resend_the_history(tokenizer) -> None:
