@@ -22,7 +22,10 @@ def test_quick_cluster_report(tmp_path, tiny_chat_model) -> None:
     for r in runs:
         s = r["summary"]
         assert s["completed"] == requests and s["failed"] == 0, r["config"]
-        assert 0 < s["cache_hit_rate"] <= report["routing"]["workload"]["ideal_hit_rate"] + 0.05
+        assert s["cache_hit_rate"] <= report["routing"]["workload"]["ideal_hit_rate"] + 0.05
+        # round_robin's hits depend on arrival timing: at concurrency 4 a group's next question can
+        # reach a worker before its first one's prefix is in that worker's tree.
+        assert s["cache_hit_rate"] > 0 or r["config"] == "round_robin", r["config"]
         assert s["output_tokens"] == requests * report["params"]["output_len"]
     tp = report["tensor_parallel"]["runs"]
     assert [(r["dtype"], r["tp"]) for r in tp] == [("float32", 1), ("float32", 2)]

@@ -32,7 +32,7 @@ from helpers.assertions import assert_eventually
 from helpers.router import ROUTER_TEST_FLAGS, ROUTERS, RouterProcess
 from helpers.server import ServerProcess, check_memory_idle, server_info
 
-WORKER_FLAGS = ("--served-model-name", "tiny", "--max-total-tokens", "20000", "--context-length", "1024")
+WORKER_FLAGS = ("--served-model-name", "tiny", "--max-total-tokens", "20000", "--context-length", "2048")
 WORKER_ENV = {"OMP_NUM_THREADS": "1"}  # two workers share this machine's cores
 SYSTEM = "You are a travel agent. Be concise, friendly and precise in every answer. " * 4
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -259,7 +259,8 @@ def test_radixserve_chat_extensions_pass_through_smg(cluster: Cluster) -> None:
 def test_client_disconnect_through_router_frees_the_worker_pages(cluster: Cluster) -> None:
     router = cluster.router.base_url
     aborted = [stats(w)["requests_aborted"] for w in cluster.workers]
-    body = {"model": "tiny", "prompt": "A very long story begins", "max_tokens": 800, "stream": True,
+    # Long enough to outlive smg's load poll (1 s) on a busy machine: 800 tokens did not always.
+    body = {"model": "tiny", "prompt": "A very long story begins", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
     prompt_tokens = httpx.post(router + "/v1/completions", json=body | {"stream": False, "max_tokens": 1},
                                timeout=60).json()["usage"]["prompt_tokens"]
