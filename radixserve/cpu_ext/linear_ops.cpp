@@ -135,20 +135,6 @@ inline void row_passes(int64_t M, const Pass& pass) {
 }
 #endif
 
-// One cache line asked for ahead of its use.  Not __builtin_prefetch: GCC 12 at -O3 deleted the
-// loops of prefetch_range below that were made of it in the 4-bit kernels (int4_rows, q8_rows: no
-// prefetch instruction in the built library; int8_rows and dot_tiles kept theirs), so those
-// kernels streamed their weights on the hardware's prefetch alone.  An asm statement stays.
-// With it, the default model's 120 4-bit matmuls of a one-row step, called in a step's order:
-// 4.9 -> 3.1 ms (a 2-core AVX-512 Xeon).
-inline void prefetch_line(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
 // Asks for the bytes [p, p + bytes) ahead of their use.
 inline void prefetch_range(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);

@@ -400,8 +400,8 @@ inline void prefetch_rows(const int32_t* slots, int n, const KT* kp, const KT* v
   for (int j = 0; j < n; ++j) {
     const int64_t off = static_cast<int64_t>(slots[j]) * kv_stride + kvh * D;
     for (int b = 0; b < D * static_cast<int>(sizeof(KT)); b += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kp + off) + b);
-      __builtin_prefetch(reinterpret_cast<const char*>(vp + off) + b);
+      prefetch_line(reinterpret_cast<const char*>(kp + off) + b);
+      prefetch_line(reinterpret_cast<const char*>(vp + off) + b);
     }
   }
 }
