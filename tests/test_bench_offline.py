@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.offline import CONFIGS  # noqa: E402
 from bench.workloads import (  # noqa: E402
     english_paragraphs,
     multi_turn_workload,
@@ -195,8 +196,7 @@ def test_quick_benchmark_writes_sane_json(tmp_path, tokenizer) -> None:
     assert prompt_tokens == n_requests * (params["system_len"] + params["question_len"])
 
     rows = {(r["config"], r["dtype"]): r for r in report["results"]}
-    assert set(rows) == {("radix", "float32"), ("radix-torch", "float32"), ("no-radix", "float32"),
-                         ("hf-static", "float32")}
+    assert set(rows) == {(config, "float32") for config in CONFIGS}  # every config by default
     radix, no_radix, hf = rows[("radix", "float32")], rows[("no-radix", "float32")], rows[("hf-static", "float32")]
     # The pure-torch engine (C++ kernels off) computes the same tokens and, in float32, the
     # same greedy outputs.
@@ -225,6 +225,13 @@ def test_quick_benchmark_writes_sane_json(tmp_path, tokenizer) -> None:
     assert no_radix["prefill_computed"] == hf["prefill_computed"] == prompt_tokens
     assert no_radix["hit_rate"] == hf["hit_rate"] == 0.0
     assert radix["memory_invariant_ok"] and no_radix["memory_invariant_ok"]
+    # The cache serves the same prefixes with drafts, sampling, an int8 pool or 4-bit weights;
+    # n-gram drafts keep the greedy tokens; sampled outputs are not compared.
+    for config in ("radix-ngram", "radix-sampled", "radix-int8kv", "radix-gguf"):
+        row = rows[(config, "float32")]
+        assert row["prefill_computed"] == unique and row["memory_invariant_ok"], config
+    assert rows[("radix-ngram", "float32")]["outputs_match_radix"] == 1.0
+    assert rows[("radix-sampled", "float32")]["outputs_match_radix"] is None
     check_floor(radix, report["matmul_shapes"])
     check_floor(no_radix, report["matmul_shapes"])
     assert "floor" not in hf and "breakdown" not in radix
@@ -240,6 +247,7 @@ def test_quick_benchmark_writes_sane_json(tmp_path, tokenizer) -> None:
     assert set(targets) == {
         "radix computed/unique <=", "no-radix wall / radix wall >=", "hf-static wall / radix wall >=",
         "radix hit rate >=", "scheduler overhead ms at batch 8 <=", "radix wall / matmul floor <=",
+        "radix wall / radix-torch wall <=", "radix-sampled wall / radix wall <=", "radix-ngram wall / radix wall <=",
     }
     assert targets["radix computed/unique <="]["value"] == 1.0
     assert targets["radix computed/unique <="]["ok"] is True
@@ -251,6 +259,9 @@ def test_quick_benchmark_writes_sane_json(tmp_path, tokenizer) -> None:
         "hf-static wall / radix wall >=": (hf["speedup_of_radix"], True),
         "scheduler overhead ms at batch 8 <=": (check["overhead_ms_at_bucket"], False),
         "radix wall / matmul floor <=": (radix["floor"]["wall_over_floor"], False),
+        "radix wall / radix-torch wall <=": (radix["wall_s"] / pure["wall_s"], False),
+        "radix-sampled wall / radix wall <=": (rows[("radix-sampled", "float32")]["speedup_of_radix"], False),
+        "radix-ngram wall / radix wall <=": (rows[("radix-ngram", "float32")]["speedup_of_radix"], False),
     }
     for name, (value, at_least) in timed.items():
         t = targets[name]
