@@ -391,7 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown config(s) {sorted(unknown)}; choose {', '.join(CONFIGS)}")
     if args.quick:
         args.duration, args.warmup, args.burst_interval = 8.0, 2.0, 3.0
-        args.chat_clients, args.chat_len, args.chat_tokens, args.chat_turns = 2, 64, 16, 400
+        args.chat_clients, args.chat_len, args.chat_tokens, args.chat_turns = 2, 64, 16, 1000
         args.burst_size, args.burst_len, args.measure, args.measure_len = 1, 256, 2, 256
         args.pool_tokens = 4096
     if args.duration < args.burst_interval:
