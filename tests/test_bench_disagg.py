@@ -6,14 +6,15 @@ transfer overhead measured, the targets checked, the JSON and the table written.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 
 def test_quick_disagg_report(tmp_path, tiny_chat_model, capsys) -> None:
     import torch
+    from transformers import AutoConfig
 
     from bench.disagg import main
     from radixserve.cache.kv_pool import kv_bytes_per_token
+    from radixserve.model.config import ModelConfig
 
     out = tmp_path / "disagg.json"
     report = main(["--quick", "--model", tiny_chat_model, "--out", str(out)])
@@ -29,10 +30,9 @@ def test_quick_disagg_report(tmp_path, tiny_chat_model, capsys) -> None:
                                       + r["burst_requests"] * params["burst_tokens"]), name
     # PD: every request reaches both workers and its KV crosses from the prefill worker to the
     # decode worker; colocated workers move nothing.
-    config = json.loads((Path(tiny_chat_model) / "config.json").read_text())
-    per_token = kv_bytes_per_token(config["num_hidden_layers"], config["num_key_value_heads"],
-                                   config["hidden_size"] // config["num_attention_heads"],
-                                   getattr(torch, params["dtype"]))
+    dtype = getattr(torch, params["dtype"])
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_chat_model), dtype)
+    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
     for name in ("pd", "pd-nixl"):
         prefill, decode = runs[name]["requests_per_worker"]
         kv = runs[name]["kv"]
