@@ -50,8 +50,8 @@ if ! "$PYTHON" -c "$here" 2>/dev/null; then
 fi
 check='import torch, triton, pytest, transformers, radixserve.kernels.decode_attention, radixserve.scheduler.scheduler'
 if ! "$PYTHON" -c "$check" 2>/dev/null; then
-    echo "(dependencies missing; trying pip install -e .[dev])"
-    "$PYTHON" -m pip install -q --retries 1 --timeout 20 -e ".[dev]"
+    echo "(dependencies missing; trying pip install -e .[test])"
+    "$PYTHON" -m pip install -q --retries 1 --timeout 20 -e ".[test]"
 fi
 "$PYTHON" -c "$check; print('torch', torch.__version__, ' triton', triton.__version__, ' cuda', torch.version.cuda)" || exit 1
 export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}  # Triton 3.9's default, without its warning
