@@ -79,7 +79,7 @@ def load_kv(Buf, Scale, slot, kv, offs_d, mask, stride_s, stride_h, stride_scale
     """A tile of KV head ``kv`` at pool slots ``slot`` in the compute dtype ``DTYPE``: ``slot``
     [1, N] with ``offs_d`` [D, 1] gives keys transposed [D, N], ``slot`` [N, 1] with ``offs_d``
     [1, D] values [N, D].  The pool's element type decides at compile time: a float pool's tile
-    is returned as stored (the code of unquantized pools is unchanged), an int8 pool's element
+    is returned as stored (no 8-bit code is compiled into it), an int8 pool's element
     times the scale of its (slot, head) (``Scale`` [num_slots, KV], row stride
     ``stride_scale``), an fp8 pool's element widened (its scale is 1).  Masked keys must still
     name a valid slot: the callers load them as slot 0."""

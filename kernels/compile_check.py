@@ -92,7 +92,7 @@ def configurations(level: str, arch: int) -> list[tuple[torch.dtype, int, int, s
     """(dtype, head_dim, GQA group, 8-bit KV pool type or None) points to compile.  fp8 pools
     need sm_89 or newer (Triton has no e4m3 before it)."""
     pools = ["i8", "fp8e4nv", "fp8e5"] if arch >= 89 else ["i8", "fp8e5"]
-    if level == "headline":  # the issue's H200 targets: bf16, head dim 128, 32 / 8 heads
+    if level == "headline":  # the headline shapes: bf16, head dim 128, 32 / 8 heads
         return [(torch.bfloat16, 128, 4, kv) for kv in (None, *pools[:2])]
     if level == "default":
         return [(torch.bfloat16, 128, 4, None), (torch.float32, 128, 4, None),

@@ -24,7 +24,7 @@ column ``seq_len - 1`` points at it.
 
 An 8-bit pool (kv_pool.py: int8 with a scale per slot and KV head, or fp8) is read in place:
 each K/V tile is widened to the query's dtype as it is loaded (``common.load_kv``), and the
-attention computes in that dtype.  A float pool compiles to the same code as before: the
+attention computes in that dtype.  A float pool's kernel carries none of the 8-bit code: the
 switches are the pool's element type, known when the kernel is compiled.
 """
 

@@ -20,7 +20,8 @@ max stays ``-inf``.
 
 An 8-bit pool (kv_pool.py) is read in place: its prefix tiles are widened to the query's dtype
 as they are loaded (``common.load_kv``), this step's new keys are cast to it, and the attention
-computes in it.  A float pool compiles to the same code as before.
+computes in it.  A float pool's kernel carries none of the 8-bit code (the pool's element
+type is known when the kernel is compiled).
 """
 
 from __future__ import annotations

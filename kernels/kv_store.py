@@ -3,8 +3,8 @@
 A float pool gets the rows cast to its dtype.  An 8-bit pool (kv_pool.py) gets them encoded as
 ``kv_pool.quantize_kv``, its reference, does: int8 rows with a float16 scale per (token, KV
 head), fp8 values saturated at the format's largest finite value.  The pool's element type
-picks the path when the kernel is compiled, so a float pool compiles to the same code as
-before.
+picks the path when the kernel is compiled, so a float pool's kernel carries none of the
+8-bit code.
 """
 
 from __future__ import annotations

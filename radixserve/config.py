@@ -126,7 +126,7 @@ class ServerArgs:
               "here (give it to smg after the prefill URL)")
     disaggregation_transfer_backend: str = setting(
         "zmq", "how the KV moves from prefill to decode: zmq (TCP, between processes and hosts, CPU "
-               "or GPU) or nixl (needs the nixl package and a GPU)")
+               "or GPU) or nixl (needs the nixl package)")
     disaggregation_timeout: float = setting(
         30.0, "seconds a prefill worker waits for the decode worker of a request (and a decode worker "
               "for the KV of one) before the request fails")
@@ -148,7 +148,7 @@ class ServerArgs:
         "where the model has such tensors, else none)")
     int8_activations: bool = setting(
         False, "decode rows through quantized weights (int4, gguf, int8) with activations quantized to int8 per 32, "
-        "as llama.cpp's Q4 x Q8 dot products: ~1.5x faster matmuls where the CPU has AVX-512 VNNI, not exact")
+        "as llama.cpp's Q4 x Q8 dot products: faster matmuls where the CPU has AVX-512 VNNI, not exact")
     speculative_algorithm: str | None = setting(
         None,
         "speculative decoding: ngram (drafts from the radix tree and the request's own "

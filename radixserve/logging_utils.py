@@ -53,7 +53,7 @@ def exit_on_sigterm(process: str) -> None:
                 logging.getLogger("radixserve").exception("a shutdown hook failed")
         for handler in logging.getLogger().handlers:
             handler.flush()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # then die of it: exit code -15, as before
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # then die of it: exit code -15, as without the hook
         os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)

@@ -18,8 +18,8 @@ def load_tokenizer(path: str) -> Any:
     """A Hugging Face tokenizer from a model folder, or from the metadata of a .gguf file.
 
     ``AutoTokenizer`` resolves the class from the model's config, which imports transformers'
-    model code and torch: about 3 s of every start on a small CPU, against 1 s for the
-    tokenizer itself.  The class it resolved is kept in the cache folder (keyed by the folder's
+    model code and torch: seconds of every start on a small CPU, more than the tokenizer
+    itself takes.  The class it resolved is kept in the cache folder (keyed by the folder's
     tokenizer and config files and the transformers version); where that was transformers'
     generic tokenizer.json class, later loads call it directly, with the same result."""
     if path.endswith(".gguf") and os.path.isfile(path):

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from radixserve.cache.kv_pool import KVPool
 
 # Target size of the gathered K+V of one decode chunk (bytes, float32 of the default model's
-# geometry).  Measured on a 2-core EPYC: chunks of ~4 requests x 1100 tokens beat one big
-# gather by ~1.7x because SDPA then reads the K/V from cache.
+# geometry): a few requests' K/V per chunk, small enough that SDPA reads the gathered K/V back
+# from cache, where one big gather would go out to memory.
 DECODE_CHUNK_BYTES = 7 << 20
 
 

@@ -81,8 +81,8 @@ def _row_entries(num_tokens: int, own_first: int, num_entries: int, chunk_entry_
 
 def _lone_request_plan(row: int, pre: int, ext: int) -> KernelPlan:
     """build_plan's answer for a batch of one request of a few new tokens (a lone agent's decode
-    or verify step), from Python ints: 15 us, where the general path's ~30 numpy calls took 52-54
-    (a one-row decode step takes ~10 ms)."""
+    or verify step), from Python ints, without the general path's ~30 numpy calls, each of
+    which costs more than the arithmetic it does at this size."""
     split = pre >= SPLIT_MIN_KEYS and ext <= SPLIT_MAX_NEW_TOKENS
     parts = SPLIT_PARTS if split else 0
     bounds = [pre * i // SPLIT_PARTS for i in range(SPLIT_PARTS + 1)] if split else []

@@ -3,10 +3,9 @@
 Every forward (prefill, decode, chunked extend, mixed) is one kernel call per layer that reads
 K/V in place from the pool through the request-to-token table, in the pool's dtype, with
 float32 accumulation; a prefix shared through the radix tree is read once per group of
-requests (see ``paged_plan.py``).  Fresh prompts go through the kernel too: on this
-project's 2-core CPU it ran a 1024-token causal prompt of the default model's shapes faster than
-PyTorch's flash SDPA, and one call per layer keeps a mixed batch in one call.  Numbers and the
-reasons for C++ over compiled torch are in ``radixserve/cpu_ext/__init__.py``.
+requests (see ``paged_plan.py``).  Fresh prompts go through the kernel too: on a causal
+prompt it keeps pace with PyTorch's flash SDPA, and one call per layer keeps a mixed batch in
+one call.  The reasons for C++ over compiled torch are in ``radixserve/cpu_ext/__init__.py``.
 
 Where the kernel cannot be built (no C++ compiler) or the head size is not one it was
 instantiated for, the backend runs :class:`GatherPath` (SDPA over gathered copies).

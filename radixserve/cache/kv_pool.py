@@ -14,11 +14,9 @@ An 8-bit pool stores K and V in a rotated basis (QuaRot's trick): each head's ro
 normalised Hadamard matrix H before it is quantized.  H is orthogonal, so attention is unchanged
 when the queries are turned the same way, ``q.k = (H q).(H k)``, and the output ``sum p (H v)`` is
 turned back by H (its own inverse).  The rotation spreads the few large channels of a key over
-all of them, so a row's ``amax`` (its int8 step) shrinks towards its RMS.  bench/kv_quant.py on the
-default model in float32 (eight chat prompts, four 1k-token ones): an int8 pool's mean |d logprob|
-of the reference tokens fell from 0.020 to 0.009 with it, and its greedy tokens went from 85% to
-100% identical to float32's on a Zen 4 CPU (84-88% on a Xeon, where two or three prompts meet a
-near tie).
+all of them, so a row's ``amax`` (its int8 step) shrinks towards its RMS, and an int8 pool's
+logprobs and greedy tokens stay closer to float32's (bench/kv_quant.py measures both; where a
+prompt meets a near tie, greedy tokens can still differ from one CPU to another).
 
 Kernels read the 8-bit pool directly (the C++ paged kernel, the Triton kernels) and compute in
 the model's dtype; nothing keeps a dequantized copy of the pool.
@@ -143,7 +141,7 @@ class KVPool:
         """One layer's K or V (or their scales).  A slot is written before any kernel reads it,
         except the padding slots of page 0, which are zeroed.  On a CPU the rest is left as
         allocated: the OS maps pages on first touch, so a pool sized for all free memory costs
-        nothing until used (zeroing 5 GB took 6 s of every start).  pin_memory: a host tier in
+        nothing until used (zeroing gigabytes would take seconds of every start).  pin_memory: a host tier in
         page-locked memory, so that copies to a GPU are asynchronous (pinning touches every
         page anyway)."""
         if self.device.type != "cpu" or pin_memory:

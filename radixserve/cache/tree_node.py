@@ -73,7 +73,7 @@ _packers: dict[int, struct.Struct] = {}  # per key length; cheaper than struct.p
 def pack_key(key: Sequence[int], length: int) -> bytes:
     """The first ``length`` token ids of ``key`` as native int64 bytes.
 
-    Lists and tuples cost ~6 ns per token (``struct``); an int64 ndarray is nearly free.
+    Lists and tuples are packed token by token (``struct``); an int64 ndarray is nearly free.
     """
     if isinstance(key, (list, tuple)):
         if len(key) != length:

@@ -2,15 +2,14 @@
 and cached.
 
 Why a C++ kernel: reading K/V in place from a paged pool needs an indirection per key (the
-request-to-token table), which no eager torch op does without first gathering a copy.  Measured
-by ``bench/offline.py --breakdown`` (2-core AVX-512 BF16 CPU, default model, bfloat16, a decode
-step of 64 requests over 1k-token shared prefixes): attention 0.6 ms per layer against 4.4 ms
-for SDPA over gathered copies, the whole step 59 ms against 190 ms.  FlexAttention (a block mask over the pages,
-compiled by inductor for CPU) and ``torch.compile`` of the gather path were not tried: both
-recompile per shape bucket and the mask must be rebuilt every step, and neither reads the
-pool through a per-token table.  The kernels (``paged_attention.cpp``, ``fused_ops.cpp``) are
+request-to-token table), which no eager torch op does without first gathering a copy, and over
+long shared prefixes the gathered copies cost more than the attention itself
+(``bench/offline.py --breakdown`` shows the split).  FlexAttention (a block mask over the
+pages, compiled by inductor for CPU) and ``torch.compile`` of the gather path do not fit: both
+recompile per shape bucket, the mask must be rebuilt every step, and neither reads the pool
+through a per-token table.  The kernels (``paged_attention.cpp``, ``fused_ops.cpp``) are
 built with the system C++ compiler through ``torch.utils.cpp_extension`` the first time a CPU
-server starts (about 25 s, shown on stderr as it happens; ``radixserve build-kernels`` builds
+server starts (tens of seconds, shown on stderr as it happens; ``radixserve build-kernels`` builds
 them ahead of time), then loaded from the cache folder in milliseconds.  Where no
 compiler exists, :func:`load` returns None and the backend keeps its pure-torch path.
 
@@ -48,8 +47,8 @@ HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "decode_layers.h
 # it; the build folder is keyed by it.
 _FLAGS = ["-O3", f"-march={os.environ.get('RADIXSERVE_CPU_MARCH') or 'native'}", "-fno-math-errno", "-std=c++17",
           "-fopenmp"]
-# A first build on the 2-core AVX2 machine of the benchmarks: 25 s (the three files compile in
-# parallel; each includes only the ATen headers it needs).
+# What the first build is announced to take on a small machine (the files compile in parallel;
+# each includes only the ATen headers it needs).
 BUILD_SECONDS = 25
 HEARTBEAT_S = 15
 _lock = threading.Lock()

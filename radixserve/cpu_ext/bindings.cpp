@@ -1,7 +1,7 @@
 // The Python module of the CPU kernels (one shared library, built by cpu_ext/__init__.py).
 
 // Only the tensor type and pybind11's casters for it: torch/extension.h (all of torch's C++
-// API) took 40 s of each file's compile.
+// API) would dominate each file's compile.
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 

@@ -1,8 +1,7 @@
 // Every decoder layer of a step of few rows in one call (model/fused_decode.py): the same
 // kernels, in the same order, on the same tensors as the Python layers (model/decoder.py), so the
-// logits are the same bits; only the Python between them is gone.  A one-row decode step of the
-// default model spent ~3 ms of ~15 in that Python (module calls, argument checks, pybind11
-// conversions: ~100 us a layer).
+// logits are the same bits; only the Python between them is left out (module calls, argument
+// checks, pybind11 conversions: a large share of a one-row decode step on a CPU).
 //
 // Per layer, ``weights`` holds LAYER_TENSORS tensors: the input and post-attention norms' weights,
 // then for each of qkv, o, gate_up and down three weight tensors and a bias (an empty tensor for

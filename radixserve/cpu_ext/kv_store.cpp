@@ -1,9 +1,9 @@
 // Writing this step's K/V into the pool, one call per layer for K and V.  A pool in the model's
-// dtype (store_kv) takes the rows as they are: the two index writes it replaces cost ~6 us each,
-// 0.36 ms of a one-row decode step of the default model's 30 layers.  An 8-bit pool
-// (kv_cache_dtype int8 / fp8_e4m3 / fp8_e5m2, store_kv_quant) quantizes them, where the torch ops of the same quantization (amax, divide,
-// round, clamp, cast, three index writes, for each of K and V) cost ~2 ms per decoded token in
-// launches alone on the default model.  Numerics are those of kv_pool.py's quantize_kv, its
+// dtype (store_kv) takes the rows as they are, in one call where torch needs two index writes,
+// each with its own dispatch overhead, per layer.  An 8-bit pool (kv_cache_dtype int8 /
+// fp8_e4m3 / fp8_e5m2, store_kv_quant) quantizes them in the same call, where the torch ops of
+// the same quantization (amax, divide, round, clamp, cast, three index writes, for each of K and
+// V) would pay a dispatch each, per layer, every decoded token.  Numerics are those of kv_pool.py's quantize_kv, its
 // reference: int8 scale = amax / 127 rounded to float16, values round-half-even(x / scale)
 // clamped to [-127, 127]; fp8 values saturated at the format's largest finite value, then cast
 // (c10's round-to-nearest-even conversion, as torch's).  With `rotated` each row is first turned

@@ -1,32 +1,29 @@
 // Matmuls of the few rows of a decode step, where a step reads every weight once and memory
 // bandwidth is the limit: float32 or bfloat16 weights (float_linear), weight-only int8
-// (int8_linear) and 4-bit blocks (int4_linear).  Where each is used instead of torch's matmul: radixserve/quantization/,
-// _kernel_rows, with the measurements.
+// (int8_linear) and 4-bit blocks (int4_linear).  Where each is used instead of torch's matmul:
+// radixserve/quantization/ (float_linear.py's _kernel_rows for the float weights).
 //
-// Float32: torch's matmul read the default model's weights at 11.8 GB/s for one row and took
-// twice that time for 2-8 rows (45.6 ms and 85-90 ms for one decode step's matmuls, 538 MB,
-// on the 2-core AVX2 CPU); this loop streams them at 18.7 GB/s (28.7 ms for 1-4 rows, 50.7 ms
-// for 8).  Bfloat16 (2-core AVX-512 BF16 CPU): torch 13 GB/s at one row, this loop 22 GB/s.
+// Float32 and bfloat16: torch's matmul reads the weights of a decode step below the memory's
+// rate at one row and passes over them again for more rows; this loop streams each weight once
+// for all the rows of a step, close to the memory's rate.
 //
 // Int8: y[m][n] = sum_k x[m][k] * (w[n][k] * scale[n][k / group] + offset[n][k / group]), with w
 // int8 (a scale per group of weights of a row, and an offset per group for --quantization int8's
 // asymmetric groups; none for a GGUF's Q8_0) converted to float in registers, so a step reads
 // about a quarter of a float32 weight's bytes.  Rows of x are taken MT at a time and output rows
 // NB at a time, so each weight vector loaded feeds MT products and each x vector NB; with AVX-512,
-// 3-8 rows go in one pass over 2 output rows at a time (the default model's Q8_0 LM head at 8
-// rows, a verify step's: 3.4 -> 2.2 ms; at 4, 1.8 -> 1.5).
+// 3-8 rows go in one pass over 2 output rows at a time, so a verify step's rows read a large
+// matrix (an LM head) once.
 //
 // 4-bit: blocks of 32 weights along K, w = d * q + m with q in [0, 15] and d, m float16 (llama.cpp's
 // Q4_1; its Q4_0 is m = -8 d): 5 bits a weight, each block expanded to floats in registers.  The
 // d and m of a tile's rows are widened to float 16 blocks per vector instruction into a buffer
-// the block loop broadcasts from (a scalar conversion per block and output row had cost a third
-// of the time at one row).  Against float32 d and m (6 bits a weight): the default model's 210
-// 4-bit matrices 66 MB instead of 80, at one row on the 2-core AVX-512 CPU within the noise of
-// the same time: a 1536 x 576 weight kept in L2 took 28 us, streamed 55, and asking for the
-// next rows 1-16 tiles ahead (or into L2 only) changed nothing, so the loop waits on the memory's
-// latency more than on its bytes.  A lookup of each nibble's value d * i + m in a 16-float table
-// (one shuffle a vector instead of a conversion and a multiply-add) gave nothing measurable, and
-// is not used.
+// the block loop broadcasts from (a scalar conversion per block and output row would cost a
+// large share of the time at one row).  d and m stay float16 rather than float32 (6 bits a
+// weight): fewer bytes, at no cost in time, since the loop waits on the memory's latency more
+// than on its bytes.  With AVX-512 each nibble's weight is looked up by one permute in a
+// 16-float table of the block's d * q + m (int4_tile); with 8-float vectors it is a conversion
+// and a multiply-add.
 // Many rows (a prefill) go another way (radixserve/quantization/): the weight is dequantized
 // once per call and multiplied by torch's own float matmul, which this loop cannot beat there.
 
@@ -50,7 +47,7 @@ typedef int8_t vb __attribute__((vector_size(W)));
 constexpr int NB = 4;  // output rows per pass
 constexpr int MT = 2;  // input rows per pass
 // An int8 weight's group (weights per scale along K) is a runtime value, a whole number of
-// vectors: 64 for --quantization int8, 32 for a GGUF Q8_0 tensor (radixserve/quantization/).
+// vectors: 32 for --quantization int8 and for a GGUF Q8_0 tensor (radixserve/quantization/).
 constexpr int BLOCK4 = 32;  // weights per 4-bit block: d and m (float16), 16 bytes of nibbles
 
 // W int8 -> W floats: sign extension and conversion (a direct vector conversion of int8 lanes is
@@ -233,11 +230,9 @@ inline void int4_tile(const float* x, const uint8_t* qs, const uint16_t* d, cons
       // The block's 16 possible weights d * q + m (q = 0..15) as one vector, and each nibble's
       // weight looked up in it by one permute: vpermps reads the low 4 bits of an index, so the
       // low nibbles need no mask, and one load and widening of the 16 bytes serves both halves.
-      // Per block and output row 9 vector operations instead of 12 (two int-to-float
-      // conversions, a mask and the second widening gone; one fused multiply-add for 16 weights
-      // instead of 32), the same weights to the bit (d * q is exact, each rounds once).  One
-      // request over 1,100 tokens in-process, back to back: a step 10.2-10.3 -> 9.3-9.9 ms in
-      // bfloat16, 10.8-11.1 -> 9.9-10.1 in float32 (its fused layers 7.9-8.0 -> 7.2-7.6 ms).
+      // Per block and output row 9 vector operations, where converting the nibbles takes 12
+      // (two int-to-float conversions, a mask and a second widening; a fused multiply-add for
+      // 32 weights, not 16), the same weights to the bit (d * q is exact, each rounds once).
       __m512i q[R];
       __m512 table[R];
       for (int i = 0; i < R; ++i) {
@@ -278,8 +273,8 @@ inline void int4_pairs(const float* x, const uint8_t* qs, const uint16_t* d, con
 }
 
 // The 4-bit rows of the tile after [n, n + nb), up to n1, asked for ahead: a tile's rows are
-// short (K / 2 bytes of nibbles, K / 8 of scales); this took a one-row step's 4-bit layers from
-// 8.2 to 7.8 ms on Zen 4.
+// short (K / 2 bytes of nibbles, K / 8 of scales), so the hardware's prefetcher, which follows
+// one stream, would not run far enough ahead across the tile's rows alone.
 inline void prefetch_next_int4(const uint8_t* qs, const uint16_t* d, const uint16_t* mins, int64_t K, int64_t n,
                                int nb, int64_t n1) {
   const int64_t blocks = K / BLOCK4, ahead = std::min<int64_t>(NB, n1 - n - nb);
@@ -296,9 +291,8 @@ void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint1
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
     prefetch_next_int4(qs, d, mins, K, n, nb, n1);
 #if defined(__AVX512F__)
-    // Over the default model's 4-bit layers, against passes of at most 4 rows over 4 output rows:
-    // 8 rows (a verify step's) 14.9 -> 10.3 ms, 7 rows 16.5 -> 8.8, 4 rows 7.2-7.5 -> 6.8-7.1,
-    // one row 4.4-4.8 -> 4.0-4.8.
+    // Up to 8 rows a pass (row_passes), so a verify step's rows expand each weight vector once;
+    // passes of at most 4 rows would expand it twice.
     row_passes(M, [&](auto rows, int64_t m) { int4_pairs<rows>(x, qs, d, mins, y, K, N, m, n, nb); });
 #else
     // 16 vector registers: 2 input rows a pass over NB output rows
@@ -317,10 +311,9 @@ void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint1
 // signed bytes per instruction: the nibbles and xq, less 8 sum xq (NibbleRows); xq + 128 and the
 // int8 weight, less 128 sum of the weight (ByteRows)), the offset term with the exact sum of x.
 // The model's LM head keeps float activations (quantization/__init__.py: int8_linear is faster
-// there, and exact).  Centring q halves the error of llama.cpp's Q4_1 form (d dx sum
-// q xq + m dx sum xq), where the two terms cancel: on the default model in float32 the
-// teacher-forced argmax went from 94.5% to 98.4% of the positions, mean |d logprob| from 0.056
-// to 0.027 (bench/quant_accuracy.py, with the Q8_0 head on the float kernel then).  Blocks go
+// there, and exact).  Centring q keeps the error below that of llama.cpp's Q4_1 form (d dx sum
+// q xq + m dx sum xq), whose two terms are large and cancel (bench/quant_accuracy.py measures
+// the agreement with the float weights).  Blocks go
 // four at a time: x is laid out per group of four blocks as 64 bytes of their low halves' xq
 // (weights 0-15 of each) then 64 of the high ones' (16-31), the nibbles' order (byte j & 15,
 // byte j >> 4), so that 32-bit lane i of the sums belongs to block i / 4.
@@ -562,8 +555,8 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
 
 // Output rows [n0, n1) of every row of x; `prefetch(n, nb)` asks for the next tile's weights.
 // Up to 8 rows of x go in one pass over 4 output rows (5-8 rows spill some of the tile's weight
-// vectors, which still beat passes over pairs of output rows: q8 against the float kernel's time,
-// 5-8 rows, 0.98-1.06 against 1.04-1.10), more as passes of 8 and the rest.
+// vectors, which still costs less than passes over pairs of output rows), more as passes of 8
+// and the rest.
 template <typename Rows, bool WIDE = false, typename Prefetch>
 void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
              const Prefetch& prefetch) {
@@ -643,8 +636,8 @@ using Bf16Dot = VecDot<uint16_t, load_bf16>;
 
 // Input rows [m, m + MR) times output rows [n, n + nb) (nb <= R; the rows past nb repeat the
 // last one and are not written): each weight vector is loaded once for the MR rows, so a step of
-// a few rows reads its weights once, as a one-row step does (before, each input row passed over
-// the tile's weights in turn: bfloat16 at 2 rows took 13.1 ms where one row took 10.0).  Each
+// a few rows reads its weights once, as a one-row step does (a pass per input row would read
+// the tile's weights once per row).  Each
 // output's sum runs over K in the same order whatever MR and R are: a row's result does not
 // depend on the rows beside it.
 template <typename D, int MR, int R>
@@ -678,11 +671,10 @@ constexpr int DOT_ROWS = 4;
 inline constexpr int dot_tile_rows(int64_t M) { return M == 1 ? 4 : 2; }
 #endif
 
-// Weight rows a tile asks for ahead of its own: one-row steps of bfloat16 only (D::ONE_ROW_AHEAD);
-// more rows, 8 ahead.  Over the default model's matrices on the 2-core Xeon with AMX, one row:
-// bfloat16 10.3-10.5 -> 9.4-9.8 ms, float32 14.5-15.3 -> 16.2-17.4 (slower, so none); 8 rows:
-// float32 28.6 -> 20.9 ms, bfloat16 28.1 -> 15.9 (without it the loads of a pass, which does
-// M times the arithmetic of a one-row step per weight, no longer run far enough ahead).
+// Weight rows a tile asks for ahead of its own: one-row steps of bfloat16 only (D::ONE_ROW_AHEAD;
+// a one-row float32 step streams fast enough on the hardware's prefetch, and asking ahead slows
+// it); more rows, 8 ahead: a pass does M times the arithmetic of a one-row step per weight, and
+// without it its loads do not run far enough ahead.
 constexpr int64_t ROWS_AHEAD = 8;
 
 template <typename D, int R>
@@ -731,8 +723,8 @@ void dot_linear(const typename D::T* x, const typename D::T* w, float* y, int64_
 }
 
 // W floats stored as the output's element type: float32 as they are, bfloat16 rounded to nearest
-// even in vectors (a scalar conversion per element made a bfloat16 dequantization of the default
-// model's weights cost more than the matmul it feeds), others element by element.
+// even in vectors (a scalar conversion per element would make a bfloat16 dequantization cost
+// more than the matmul it feeds), others element by element.
 typedef uint32_t vu __attribute__((vector_size(4 * W)));
 typedef uint16_t vh __attribute__((vector_size(2 * W)));
 
@@ -765,8 +757,8 @@ inline const float* rows_as_float(const at::Tensor& x, std::vector<float>& buf) 
 // ``rows(x, y, n0, n1)`` run over chunks of output rows on the threads (a multiple of NB each,
 // enough of them to share the threads), on x's rows as float32 into float32 sums; returns [M, N]
 // in x's dtype, each sum rounded once (c10's round-to-nearest-even, as torch's conversion).  The
-// conversions are loops here, not ATen ops: two of those per matmul cost ~1.5 ms of a one-row
-// decode step of the default model.
+// conversions are loops here, not ATen ops: two ATen ops per matmul would cost a large share
+// of a one-row decode step.
 template <typename Rows>
 at::Tensor few_row_matmul(const at::Tensor& x, const float* xp, int64_t N, const Rows& rows) {
   const int64_t M = x.size(0);
@@ -996,7 +988,7 @@ at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor 
 // to float (|sum| < 2^24 a lane); then d dx sum q x16 + m sum x.  The only error is x's rounding,
 // at most dx / 2 an element (against int8 activations' amax / 254: 257x smaller).  Not centred
 // on q = 8 as int4_linear_q8 is: at this precision the two terms' cancellation costs nothing
-// measurable, and the centring's subtraction goes.  Where it runs: radixserve/quantization/.
+// measurable, so the centring's subtraction is left out.  Where it runs: radixserve/quantization/.
 at::Tensor int4_linear_q16(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins) {
   return int4_linear_x(x, qs, d, mins, true, "int4_linear_q16");
 }

@@ -15,22 +15,18 @@
 // Tasks are (job, KV head, block of queries), heaviest first, taken one at a time by torch's
 // intra-op threads (OpenMP: the thread count is the scheduler's torch setting); with at least two
 // (job, block) tasks a thread, a thread takes all KV heads of one at a time, which read lines side
-// by side (one request over 1,100 keys, 30 layers, bfloat16, pools out of cache: 1.42-1.53 ->
-// 1.26 ms; 2,200 keys 2.6 -> 2.27; in cache unchanged).  Two paths:
+// by side (the KV heads of a token are adjacent in the pool, so a pool out of cache is read in
+// longer runs).  Two paths:
 //  - pair path (bfloat16 pool, AVX-512 BF16): run_task_pairs.  Q.K and P.V are products of
 //    bfloat16 pairs with float32 sums; scores stay in registers; softmax in base 2 with a
-//    lazily raised max.  Measured on the 2-core AVX-512 BF16 CPU, the default model's layer
-//    shapes, a decode of 64 requests over 4 x 1k-token shared prefixes, one layer with the
-//    pool in cache: 0.35 ms, against 1.15 ms for the version before it (the same pair products
-//    with a max, e^x and accumulator rescale per row and key block, and its tasks on one
-//    thread: the extension was built without OpenMP, so at::parallel_for ran serially).
+//    lazily raised max (the max, e^x and accumulator rescale are paid only when the max grows
+//    past LAZY_MAX, not per row and key block).  The extension must be built with OpenMP, or
+//    at::parallel_for runs the tasks serially (cpu_ext/__init__.py: -fopenmp).
 //  - float path (float32/float16 pools, or no AVX-512 BF16): run_task, written with GCC vector
 //    extensions of the CPU's native width W (16 floats with AVX-512F, 8 with AVX2: vec.h) and
 //    unrolled over query rows so that one key load feeds several; float32 pools are read in
-//    place, other dtypes converted once per block.  Measured on a 2-core AVX2-only CPU (Zen 3,
-//    the default model's layer shapes, float32, one layer, against the gather path's SDPA):
-//    a 1024-token causal prompt 15.5 ms (SDPA 15.4; the 16-float version took 237), a decode of
-//    64 requests over 4 x 1k shared prefixes 2.0 ms (4.1), one request over 1k keys 0.13 ms (0.45).
+//    place, other dtypes converted once per block.  On an AVX2-only CPU it matches the gather
+//    path's SDPA on a causal prompt and beats it on decode, where SDPA first gathers a copy.
 //  - 8-bit pools (kv_cache_dtype int8 / fp8_e4m3 / fp8_e5m2): each block's rows are widened to
 //    float once per task (int8 times the row's scale of its token and head; fp8 through the
 //    half-precision converter, see fp8_row), so every query row of the task shares one
@@ -544,10 +540,9 @@ void run_task_pairs(const Plan& plan, const QT* q, const KT* kp, const KT* vp, c
   constexpr int DC = DV < 4 ? DV : 4;  // accumulator vectors per row held in registers in P.V
   // A task of at most 4 rows (one decode request's heads) is one chunk: each V pair vector is
   // used once, so it is formed in registers (v_pair: one unpack of two loads) instead of stored
-  // to vp2 and loaded back (two widenings, a shift and an or per vector).  With CHUNK = the
-  // task's rows, one request's attention over 1,100 keys, 30 layers of the default model
-  // (9 heads, 3 KV heads: 3 rows a task), bfloat16, on the 2-core AVX-512 BF16 Xeon: 1.8-2.0
-  // -> 1.35-1.5 ms with each layer's pool out of cache, 1.3 -> 0.95-1.1 ms with it in cache.
+  // to vp2 and loaded back (two widenings, a shift and an or per vector).  CHUNK is exactly the
+  // task's rows (the default model: 9 heads over 3 KV heads, 3 rows a task), so no padded row
+  // costs products.
   constexpr bool DIRECT_V = CHUNK <= 4 && D % 32 == 0;
   constexpr int RB = CHUNK < 4 ? CHUNK : 4;  // rows of a P.V pass sharing each V load
   const int rows = static_cast<int>((e1 - e0) * group);

@@ -1,10 +1,8 @@
 // Seeded draws of the sampled rows of a batch on a CPU (sampling/sampler.py), one row per task.
 //
 // The torch path of sampler.py takes each filtered row's 256 most likely tokens by topk, runs
-// ~30 small ops over them and reruns the whole batch with 4096 candidates where 256 fall short:
-// on the default model at temperature 0.7 / top-p 0.9, one row, 0.44 ms a step with 256 and 1.2
-// ms with the rerun (40 of 100 captured steps), about 1 ms live: a tenth of a one-row decode
-// step.  Here a row is one pass that scales its logits and finds their maximum, one that takes
+// ~30 small ops over them and reruns the whole batch with 4096 candidates where 256 fall short,
+// a noticeable share of a one-row decode step.  Here a row is one pass that scales its logits and finds their maximum, one that takes
 // e_i = exp(s_i - max) and their sum, and passes that count the tokens with e_i >= t (and their
 // mass) for t = 1/2, 1/4, ... until those tokens must hold the kept prefix; only they are sorted.
 //
@@ -20,10 +18,7 @@
 // Where no two candidates tie, it picks the token the torch path picks for the same seed; torch's
 // topk leaves the order of ties open, and bfloat16 logits tie often, so there the two paths
 // draw from the same distribution but may pick different tokens for one uniform.
-//
-// One row of the default model (49,152 tokens, logits captured from 100 decode steps; this
-// kernel runs a row on one thread, torch's ops ran on two): temperature 0.7 / top-p 0.9 0.087 ms on average against 0.79 in torch; top-k 40 0.071
-// against 0.45; temperature alone 0.041 against 0.18.  64 such rows: 3.3 against 35 ms.
+// A row runs on one thread, in a few passes over its logits, never topk or a rerun.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -321,7 +316,7 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatur
 }
 
 // argmax_row of every row of logits [B, V] float32: torch.argmax(dim=-1) without its scalar loop
-// (49,152 float32 values: 64 us in torch on the 2-core Xeon, a greedy row's whole sampling step).
+// (torch's CPU argmax is a scalar loop, and a greedy row's sampling step is that argmax alone).
 at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
               "logits must be a contiguous float32 [B, V] tensor, V > 0");

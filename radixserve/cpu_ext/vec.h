@@ -4,9 +4,9 @@
 // W is 16 floats where the CPU has AVX-512F and 8 elsewhere (AVX2, or any other target): a
 // 64-byte vector type on a CPU with 32-byte registers is split by the compiler into halves, and
 // every cross-lane shuffle of it (transposes, horizontal reductions) is lowered to scalar
-// inserts and extracts.  Measured on a 2-core AVX2-only CPU (Zen 3), the default model's layer
-// shapes: a 1024-token causal prompt took 237 ms per layer in 16-float vectors against 15 ms for
-// torch's SDPA.  Code that shuffles uses ``vf`` (W lanes); v16 stays for elementwise loops.
+// inserts and extracts, which makes a shuffle-heavy kernel (attention) many times slower than
+// torch's SDPA on such a CPU.  Code that shuffles uses ``vf`` (W lanes); v16 stays for
+// elementwise loops.
 #pragma once
 
 #include <cmath>
@@ -33,9 +33,10 @@ typedef float vf __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
 
 // x in every lane, by the broadcast intrinsic: a load-port broadcast where x is in memory.  Not
-// `V{} + x`: the compiler may not drop the + 0.0 (it turns -0.0 into +0.0), so that was an add and
-// a register broadcast (a shuffle) a call, 4 of the 4-bit kernel's 13 vector operations per block
-// and output row (d and m); nor a per-lane loop, which GCC builds lane by lane under AVX-512.
+// `V{} + x`: the compiler may not drop the + 0.0 (it turns -0.0 into +0.0), so that costs an add
+// and a register broadcast (a shuffle) a call, a large share of the 4-bit kernel's vector
+// operations per block and output row (d and m); nor a per-lane loop, which GCC builds lane by
+// lane under AVX-512.
 template <typename V>
 inline V splat_as(float x) {
 #if defined(__AVX512F__)
@@ -130,7 +131,7 @@ inline float lane_sum(vf a) {
 }
 
 // e^x for any float vector type, relative error ~2e-7 (Taylor to degree 7 after range
-// reduction); x below -87 -> 0, x above 88 -> e^88.
+// reduction); x below -87 gives 0, x above 88 gives e^88.
 template <typename V>
 inline V vexp(V x) {
   using VI = decltype(x < x);  // the signed int vector of the same lanes
@@ -208,12 +209,12 @@ inline void hadamard_row(float* v, int64_t n) {
   for (int64_t k = 0; k < n; k += W) storew(v + k, loadw(v + k) * s);
 }
 
-// One cache line asked for ahead of its use.  Not __builtin_prefetch: GCC 12 at -O3 deleted the
+// One cache line asked for ahead of its use.  Not __builtin_prefetch: GCC 12 at -O3 deletes the
 // loops of it in the 4-bit kernels (linear_ops.cpp's int4_rows, q8_rows: no prefetch instruction
-// in the built library; other loops kept theirs), so those kernels streamed their weights on the
-// hardware's prefetch alone.  An asm statement stays (tests/test_cpu_prefetch.py reads the
-// library).  With it, the default model's 120 4-bit matmuls of a one-row step, called in a
-// step's order: 4.9 -> 3.1 ms (a 2-core AVX-512 Xeon).
+// in the built library; other loops keep theirs), leaving those kernels to stream their weights
+// on the hardware's prefetch alone.  An asm statement stays (tests/test_cpu_prefetch.py reads
+// the library), and a one-row step's 4-bit matmuls, which stream weights too large for any
+// cache, depend on it.
 inline void prefetch_line(const char* p) {
 #if defined(__x86_64__)
   asm volatile("prefetcht0 %0" : : "m"(*p));

@@ -1,8 +1,8 @@
 """All-reduce and gather between the ranks of one CPU host through shared memory.
 
-gloo moves every collective through loopback TCP and an I/O thread: about 1-1.5 ms per call on
-a small CPU host however small the tensor, and a decoder layer makes two calls, so a decode
-step of a 30-layer model pays ~80 ms in collectives alone.  Here the ranks map one file into
+gloo moves every collective through loopback TCP and an I/O thread: on a small CPU host each
+call costs a round trip through the OS however small the tensor, and a decoder layer makes two
+calls, so collectives alone would dominate a decode step.  Here the ranks map one file into
 memory and meet at sequence counters: each rank copies its tensor into its own slot, then
 publishes the step's sequence number; a reader spins until every rank it needs has published,
 and reads the slots.  A call costs a few microseconds plus the copies.

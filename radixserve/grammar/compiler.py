@@ -54,8 +54,8 @@ class GrammarCompiler:
         self.compile_seconds: dict[GrammarKey, float] = {}  # cold compile time, for stats
         self._utf8_words: torch.Tensor | None = None
         self._json_words: torch.Tensor | None = None
-        # The token tables take ~0.3 s: build them now in the worker, so the first grammar
-        # request does not pay for them.
+        # The token tables take a noticeable time to build: build them now in the worker, so the
+        # first grammar request does not pay for them.
         self._pool.submit(lambda: self.json_words)
 
     def _words_without(self, bad: Callable[[bytes], bool]) -> torch.Tensor:

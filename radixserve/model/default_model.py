@@ -28,7 +28,7 @@ def default_gguf_path() -> str:
 
 
 def default_model_path() -> str:
-    """HF folder of the default model, converted from the GGUF on first use (~20 s, once)."""
+    """HF folder of the default model, converted from the GGUF on first use (once)."""
     target = os.path.join(cache_root(), DEFAULT_MODEL_NAME)
     return ensure_converted(default_gguf_path(), target)
 

@@ -1,7 +1,7 @@
 """Steps of few rows through every decoder layer in one C++ call (``cpu_ext`` ``DecodeLayers``).
 
-A one-row decode step of the default model spent ~3 ms of ~15 in the Python between its
-kernels: module calls, views, argument checks and conversions, about 100 us a layer.  Where a
+On a CPU the Python between a one-row decode step's kernels (module calls, views, argument
+checks and conversions, every layer) is a large share of the step.  Where a
 step's layers run on the C++ kernels anyway (a CPU, one rank, at most ``KERNEL_MAX_ROWS`` rows,
 the paged kernel's plan, a pool its store writes, no q/k norm), they run in one call instead:
 the same kernels in the same order on the same tensors, so the logits are the same bits

@@ -47,7 +47,7 @@ class GGUFIndex:
 def read_gguf_index(path: str) -> GGUFIndex:
     """The architecture and the tensors' names, types, shapes and places, read from the file's
     header alone.  (The ``gguf`` package's reader builds every metadata field, the tokenizer's
-    100k strings included: 5.8 s for the default model, against milliseconds here.)"""
+    100k strings included: seconds for the default model, against milliseconds here.)"""
     with open(path, "rb") as f:
         data = f.read(24)
         magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", data)

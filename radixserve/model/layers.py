@@ -114,8 +114,8 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``cos`` and ``sin`` [T, 1, D] rounded to ``dtype`` as the reference rounds them; on a
-        CPU held in float32, which the C++ rotation reads as they are (a conversion per layer
-        and projection cost ~0.5 ms of a one-row decode step; the torch path casts back)."""
+        CPU held in float32, which the C++ rotation reads as they are (no conversion per layer
+        and projection; the torch path casts back)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2] float32

@@ -93,7 +93,7 @@ def load_model(
     with torch.device("meta"):  # no random init: every parameter is overwritten below
         model = cls(config, hf_config, tp)
     # nn.Module.to_empty's empty_like on meta tensors runs torch's Python reference, whose
-    # import (sympy) took 0.7 s of every start; the parameters are contiguous, so torch.empty.
+    # import (sympy) would slow every start; the parameters are contiguous, so torch.empty.
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if load_format == "dummy":
         random_weights(model)

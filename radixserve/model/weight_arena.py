@@ -5,9 +5,8 @@ a time, in 4 KB pages, the default model's 4-bit layers span ~20k pages: more th
 second-level TLB holds, so the kernels wait on page walks besides the loads.  Here the weights
 are copied, in the order a forward reads them, into one anonymous mapping that asks the kernel
 for transparent huge pages (``madvise(MADV_HUGEPAGE)``; Linux's default THP mode ``madvise``
-grants them, ``never`` leaves 4 KB pages and only the order).  Measured on the 2-core AVX-512
-CPU, 200 distinct 4-bit 1536 x 576 weights at one row: int4_linear 54-58 us a weight in separate
-tensors, 49-50 us in the arena; int4_linear_q8 43-46 against 37-38.
+grants them, ``never`` leaves 4 KB pages and only the order).  The 4-bit kernels
+(``int4_linear``, ``int4_linear_q8``) then stream their weights without the page walks.
 
 The values do not change: each tensor is replaced by a view of the arena holding a copy.
 """

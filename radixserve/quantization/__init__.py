@@ -3,11 +3,10 @@
 Modes (:data:`radixserve.config.QUANTIZATIONS`):
 - ``int8``: every projection (q/k/v, o, gate/up, down) and the LM head as int8 with a float32
   scale and offset per ``GROUP`` (32) weights of a row, asymmetric: the 256 steps span each
-  group's own range (weights.py: :class:`Int8Weight`).  On the default model 100% of float32's
-  greedy tokens over eight prompts (bench/quant_accuracy.py; symmetric groups of 64: 67%, of 32:
-  86%) — its float weights are dequantized Q4_1 blocks, whose 4-bit steps are 17 int8 steps of
-  such a group, so it keeps them almost exactly.  The kernel ran 0-30% slower than symmetric
-  groups of 64 on the model's shapes (Zen 4).
+  group's own range (weights.py: :class:`Int8Weight`).  Asymmetric because the default model's
+  float weights are dequantized Q4_1 blocks, whose 4-bit steps are 17 int8 steps of such a group,
+  so it keeps them almost exactly, where symmetric groups lose greedy tokens
+  (bench/quant_accuracy.py); the offset costs the kernel some speed against symmetric groups.
 - ``int4``: 4-bit blocks of 32 weights, ``w = d * q + m`` (llama.cpp's Q4_1 scheme,
   :class:`Int4Weight`), 5 bits a weight (d and m float16); the LM head in int8 (a scale per 32).
 - ``gguf``: a GGUF model's Q4_0 / Q4_1 / Q8_0 tensors served as stored (gguf_blocks.py), the
@@ -16,30 +15,23 @@ Modes (:data:`radixserve.config.QUANTIZATIONS`):
   int8 and int4 of a float checkpoint round every weight, the GGUF's blocks none.
 A tied embedding is the LM head's table, so its lookups dequantize the rows they take.
 
-The matmul path, chosen by measurement (2-core CPUs, the default model's shapes, float
-activations):
+The matmul path (float activations unless ``--int8-activations``):
 - at most ``KERNEL_MAX_ROWS`` rows (decode): the C++ kernels ``int8_linear`` / ``int4_linear``
-  (cpu_ext/linear_ops.cpp), the weights converted to float in registers; with
-  ``--int8-activations`` they run ``int4_linear_q8`` / ``int8_linear_q8`` instead (the LM head
-  aside): x quantized to int8 per 32 and VNNI integer dot products (llama.cpp's Q4 x Q8 and Q8 x
-  Q8): the default model's 120 4-bit layers (bfloat16, cycled from memory, 2-core Xeon) at one
-  row 3.2 against 5.0 ms, 2 rows 4.2 against 4.7, 3-8 rows within the noise of the float kernel
-  (which expands each weight once for all rows); the agent loop's one-row step 10-14% faster,
-  even with drafts; no longer the weights' exact products (bench/quant_accuracy.py);
-  without that flag, on such a CPU, a server that drafts no tokens takes the one-row steps of
-  4-bit weights through ``int4_linear_q16`` (``wide_one_row``): x in 16-bit integers per 32
-  (|error| at most amax / 65,278 a block, against bfloat16's own amax / 512), each as two signed
-  bytes through the same VNNI dot products.  The default model's 4-bit layers at one row 2.7-2.9
-  against 3.7-4.0 ms (2-core Xeon, cycled); a one-row step in-process, interleaved, 9.60 -> 9.04
-  ms in bfloat16 and 10.79 -> 10.09 in float32.  At 2-8 rows it is slower than the float kernel
-  (8 rows 11.5-12.9 against 8.8-10.4 ms: twice q8's dot products), and a speculative verify's rows
-  must be the one-row steps' own bits, so a server with drafts keeps the float kernel;
+  (cpu_ext/linear_ops.cpp) convert the weights to float in registers, so a step reads each
+  quantized weight once from memory.  With ``--int8-activations`` the projections (not the LM
+  head) run ``int4_linear_q8`` / ``int8_linear_q8`` instead: x quantized to int8 per 32 and VNNI
+  integer dot products (llama.cpp's Q4 x Q8 and Q8 x Q8), whose products are not the weights'
+  exact ones (bench/quant_accuracy.py).  Without that flag, on a VNNI CPU, a server that
+  drafts no tokens takes the one-row steps of 4-bit weights through ``int4_linear_q16``
+  (``wide_one_row``): x in 16-bit integers per 32 (|error| at most amax / 65,278 a block,
+  against bfloat16's own amax / 512), each as two signed bytes through the same VNNI dot
+  products.  That is twice q8's dot products, so it pays only at one row; and a speculative verify's rows must be the one-row
+  steps' own bits, so a server with drafts keeps the float kernel;
 - more rows (prefill, large batches): the weight dequantized once per call into a shared buffer
-  (the default model's layers: 25 ms in bfloat16, 57 in float32, on Zen 4) and the float
-  matmul this CPU runs fastest at that many rows (float_linear.py): torch's blocked GEMM for a
-  prefill, which the row loop does not match there.
-torch's own ``_weight_int8pack_mm`` ran 4.7x slower than the float32 matmul at one row and 40x
-at 512 rows on an AVX2 CPU (Zen 3), so it is not used.
+  and the float matmul this CPU runs fastest at that many rows (float_linear.py): torch's
+  blocked GEMM for a prefill, which the row loop does not match there.
+torch's own ``_weight_int8pack_mm`` is not used: on an AVX2 CPU it is slower than the float32
+matmul at one row and far slower at prefill sizes.
 """
 
 from __future__ import annotations
@@ -133,9 +125,9 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, in
     mark_weights_changed()  # before anything changes: a failure half way still counts
     _quantize(model, mode, gguf_path)
     # The LM head (int8 groups of 32: a GGUF's Q8_0, int4's head) keeps float activations:
-    # int8_linear_q8 took 1.32 ms against int8_linear's 1.04 for the default model's head at one
-    # row, 2.5 against 1.9 at 4, 4.0 against 2.6 at 8 (2-core Xeon), where int8_linear reads its
-    # 49,152 rows at the memory's rate; and its products stay exact.
+    # int8_linear already reads its 49,152 rows at the memory's rate, so quantizing x adds work
+    # without saving any (int8_linear_q8 is slower there at every row count); and its products
+    # stay exact.
     head = _head_module(model)
     taking = [m.weight for m in model.modules() if m is not head and (
         isinstance(getattr(m, "weight", None), Int4Weight)
@@ -189,8 +181,8 @@ def _quantize(model: nn.Module, mode: str, gguf_path: str | None) -> None:
     for _, module in modules:
         weight = module.weight
         # int4 keeps the LM head (a tied table too) in int8, as llama.cpp's 4-bit files keep it
-        # in 6 or 8 bits: in 4 bits it alone took the default model from 100% to 36% of its
-        # float32 greedy tokens (bench/quant_accuracy.py)
+        # in 6 or 8 bits: in 4 bits it alone loses most of the default model's float32 greedy
+        # tokens (bench/quant_accuracy.py)
         in_int4 = mode == "int4" and module is not head
         group = GROUP if mode == "int8" else BLOCK4
         if weight.shape[1] % group:  # no whole groups: this layer keeps its float weight

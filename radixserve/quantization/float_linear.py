@@ -25,23 +25,18 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 @functools.cache
 def _kernel_rows(dtype: torch.dtype, width: int, feature: str | None) -> range:
-    """Row counts where ``float_linear`` beat torch's matmul, one decode step of the default
+    """Row counts where ``float_linear`` beats torch's matmul on one decode step of the default
     model's weights (2 threads), by CPU kind (``width``: the kernels' float lanes; ``feature``:
-    :func:`cpu_bf16_feature`, AMX or AVX-512 BF16):
-    - float32, AVX2 (8-float vectors, Zen 3): 28.7 against 45.6 ms at 1 row, 50.7 against 85-90
-      ms at 8;
-    - float32, AVX-512 with AMX (Sapphire Rapids class), the layers' matrices: equal at 1-2 rows
-      (15.2-15.9 ms, the memory's rate; 16.8-17.5 at 2), the loop ahead from 3 (17.2-18.1
-      against 18.0-19.0 ms), 18 against 29 at 4, 21 against 34 at 8, 42 against 45 at 32;
-    - float32, AVX-512 without AMX (Zen 4): the loop ahead at every count measured, 26 against
-      56-66 ms at 1 row, 35 against 86 at 4, 65 against 110 at 16, 114 against 160 at 32;
-    - bfloat16 with AMX, the layers' matrices: 9.2-9.6 against 16.6-16.7 ms at 1 row, 9.4
-      against 16.2-17.1 at 2, 10.8-11.2 against 16.7-18.4 at 4, 16.1-16.7 against 16.4-18.5 at
-      8, torch ahead from 10 (18.7-19.4 against 17.3-18.0);
-    - bfloat16 with AVX-512 BF16 and no AMX (Zen 4): the loop ahead up to 24 rows (18.7 against
-      32-42 ms at 1, 41 against 49-61 at 16, 62 against 77 at 24), even at 32;
-    - bfloat16 without either: torch emulates it (1.3 GFLOP/s on Zen 3), and the loop, which
-      widens it to float32, takes 8 rows.
+    :func:`cpu_bf16_feature`, AMX or AVX-512 BF16).  The loop streams each weight once for all
+    the rows, so it wins while a step is bound by reading the weights; torch's blocked GEMM wins
+    once the arithmetic dominates, at a row count that depends on the CPU kind:
+    - float32, AVX2 (8-float vectors): up to ``KERNEL_MAX_ROWS``;
+    - float32, AVX-512, with or without AMX: up to 32 rows (with AMX the two are level at 1-2
+      rows, where both read the weights at the memory's rate);
+    - bfloat16 with AMX: up to ``KERNEL_MAX_ROWS``; AMX's tiles take torch ahead beyond that;
+    - bfloat16 with AVX-512 BF16 and no AMX: up to 24 rows;
+    - bfloat16 without either: torch emulates bfloat16, and the loop, which widens it to
+      float32, takes ``KERNEL_MAX_ROWS``.
     """
     amx = feature == "AMX"
     if dtype == torch.float32:

@@ -78,7 +78,7 @@ def _row_orders(rows: int, heads: int | None) -> Iterator[torch.Tensor | None]:
 
 
 def _dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight, through the C++ kernel where it loads (torch's ops took half the load)."""
+    """The float weight, through the C++ kernel where it loads (torch's ops would be much of the load's time)."""
     if cpu_ext.load() is None:
         return weight.dequantized(dtype)
     out = torch.empty(weight.shape, dtype=dtype)

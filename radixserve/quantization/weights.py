@@ -201,7 +201,7 @@ _SCRATCH: dict[tuple[torch.Size, torch.dtype], torch.Tensor] = {}
 
 def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """One float buffer per weight shape, shared by the layers of that shape (a model's forward
-    runs one matmul at a time): a fresh one per call cost more in page faults than the matmul."""
+    runs one matmul at a time): a fresh one per call would cost more in page faults than the matmul."""
     buf = _SCRATCH.get((shape, dtype))
     if buf is None:
         buf = _SCRATCH[(shape, dtype)] = torch.empty(shape, dtype=dtype)

@@ -21,7 +21,7 @@ candidate -- the same arithmetic, so the answer is what a full sort gives.  Rows
 filters draw over the whole vocabulary in token-id order.  That is the path of logits on a GPU.
 On a CPU one C++ call draws every sampled row (cpu_ext/sampler.cpp): the same filters, order
 and uniforms, its candidates found by thresholds on the probabilities instead of ``topk``, so
-it never reruns; one row of the default model took 0.44-1.2 ms in torch.
+it never reruns and spends no time in torch's small ops.
 
 Seeded draws.  Each row draws one uniform ``U`` and takes the first token whose running sum of
 kept probabilities exceeds ``U`` times their total (inverse CDF).  ``U`` comes from a
@@ -56,15 +56,15 @@ from radixserve.transfer import Upload, read_back, resolve
 # nearly every decode step.
 CANDIDATES = 256
 # The rerun's candidates, before every token: a flat row's top-p 0.9 set at temperature 0.7 fits
-# in them, and topk(4096) of a [64, 49152] batch took 18 ms against 100 ms for all 49152 (the
-# shared-prefix workload sampled: 11 of 40 steps had such a row; 46 ms per step on average).
+# in them, and topk(4096) of a wide batch costs a fraction of running every token as a
+# candidate (the last resort, for a row that 4096 still do not cover).
 RERUN_CANDIDATES = 4096
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 def _native_ops(logits: torch.Tensor) -> Any:
     """The CPU kernels, whose ``sample_rows`` draws the sampled rows where the logits are on a
-    CPU (cpu_ext/sampler.cpp: the same filters and uniforms, ~20x faster for one row); None
+    CPU (cpu_ext/sampler.cpp: the same filters and uniforms in a few passes over a row); None
     elsewhere, or without the kernels (then the torch path below)."""
     return cpu_ext.load() if logits.device.type == "cpu" else None
 
@@ -290,7 +290,7 @@ def _sample_rows(
 
 def _argmax(logits: torch.Tensor, ops: Any) -> torch.Tensor:
     """[B] index of each row's first largest logit: the C++ kernel where ``ops`` is there
-    (torch's CPU argmax is a scalar loop, 64 us for one row of the default model's 49,152)."""
+    (torch's CPU argmax is a scalar loop, the whole cost of a greedy row's sampling)."""
     return ops.argmax_rows(logits.contiguous()) if ops is not None else logits.argmax(dim=-1)
 
 

@@ -30,7 +30,7 @@ from radixserve.validation import is_text
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for schema and function names
 
-# Accepted, type-checked, ignored: field -> why ignoring it is harmless (cited by the README).
+# Accepted, type-checked, ignored: field -> why ignoring it is harmless (listed on the docs' HTTP API page).
 IGNORED_FIELDS: dict[str, str] = {
     "store": "nothing is stored for later retrieval",
     "metadata": "only meaningful for stored completions",
