@@ -1,31 +1,25 @@
-"""The README's Python example, saved as a script and run with ``python script.py`` exactly
-as a new user would: no ``if __name__ == "__main__":`` guard; its set-up line is CI's; and each
-benchmark command it gives is one its benchmark accepts."""
+"""The README as a newcomer follows it: its Python example runs as a plain script, its set-up
+and test commands are the ones CI runs, and every command it shows is one the code accepts."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
-import shlex
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers.doc_commands import ROOT, check_commands, fenced_blocks
+
+SERVE = " && radixserve serve"
 
 
-def readme_block(section: str) -> str:
-    """The first ```python block after the heading ``section``."""
+def readme() -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
-    start = text.index(f"\n## {section}\n")
-    match = re.search(r"```python\n(.*?)```", text[start:], re.S)
-    assert match, f"no python block under '## {section}'"
-    return match.group(1)
+        return f.read()
 
 
-def test_python_api_example_runs_as_a_plain_script(tmp_path, default_model_path) -> None:
-    code = readme_block("Python API")
+def test_engine_example_runs_as_a_plain_script(tmp_path, default_model_path) -> None:
+    code = next(b for b in fenced_blocks(readme(), "python") if "from radixserve import Engine" in b)
     assert "__main__" not in code and "with Engine() as engine" in code
     script = tmp_path / "example.py"
     script.write_text(code)
@@ -39,29 +33,35 @@ def test_python_api_example_runs_as_a_plain_script(tmp_path, default_model_path)
     assert "Traceback" not in r.stderr
 
 
-def test_ci_runs_the_readme_commands_word_for_word() -> None:
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    start = readme.index("Set up (CPU machine")
-    setup = re.search(r"```bash\n(.*?)\n```", readme[start:], re.S).group(1)
+def test_setup_and_test_commands_are_what_ci_runs() -> None:
+    """The README's two commands: the set-up (which ends by serving) is, without its final
+    ``radixserve serve``, the set-up line of tests/run.sh; the test command is .ci/run's."""
+    bash = fenced_blocks(readme(), "bash")
+    setup = next(b for b in bash if b.startswith("python3 -m venv .venv"))
     assert "\n" not in setup, "the set-up is one command"
+    assert setup.endswith(SERVE)
+    with open(os.path.join(ROOT, "tests", "run.sh")) as f:
+        run_sh = [line.strip() for line in f]
+    assert setup[: -len(SERVE)] in run_sh
+    assert "python -m pytest \"$@\"" in run_sh
+    test_command = next(b for b in bash if "tests/run.sh" in b)
     with open(os.path.join(ROOT, ".ci", "run")) as f:
-        ci = f.read().splitlines()
-    assert setup in ci
-    assert ci[-1] == "python -m pytest" and "python -m pytest\n" in readme
+        ci = [line.strip() for line in f]
+    assert test_command in ci and ci[-1] == test_command
+    assert "rm -rf .venv" in ci  # CI's set-up starts from nothing, as a newcomer's does
 
 
-def test_every_readme_benchmark_command_parses() -> None:
-    """Each ``python bench/NAME.py ...`` the README shows (the command that made a table) takes
-    the options it is given: a renamed or dropped option fails here, not for the reader."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        commands = re.findall(r"python (bench/\w+)\.py([^`\n]*)", f.read())
-    assert len(commands) >= 40
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-    for script, rest in commands:
-        argv = shlex.split(rest.split("#")[0])  # a comment after the command is not an option
-        try:
-            importlib.import_module(script.replace("/", ".")).parse_args(argv)
-        except SystemExit as e:
-            raise AssertionError(f"python {script}.py{rest}: exit {e.code}") from None
+def test_every_readme_command_parses() -> None:
+    """Each ``radixserve ...`` and ``python bench/NAME.py ...`` the README shows takes the
+    options it is given: a renamed or dropped flag fails here, not for the reader."""
+    checked = check_commands(readme(), "README.md")
+    assert any(c.startswith("radixserve serve") for c in checked)
+    assert any(c.startswith("python bench/agent_http.py") for c in checked)
+
+
+def test_readme_links_point_at_files_that_exist() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme())
+    local = [link for link in links if "://" not in link]
+    assert "docs/settings.md" in local
+    missing = [link for link in local if not os.path.exists(os.path.join(ROOT, link))]
+    assert not missing, f"README links to missing files: {missing}"
