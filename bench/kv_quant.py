@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if r["kv_cache_dtype"] != "int8":
             continue
         d = r["dtype"]
-        checks.append(target(d, "int8 KV identical greedy tokens >=", r["identical"], TARGET_INT8_IDENTICAL, True))
+        # Judged teacher-forced (the reference tokens' argmax and |d logprob|); free-running
+        # agreement is in the table, reported, not a target: one flip changes all that follows.
         checks.append(target(d, "int8 KV identical greedy tokens, teacher-forced >=", r["identical_forced"],
                              TARGET_INT8_IDENTICAL, True))
         checks.append(target(d, "int8 KV mean |d logprob| <=", r["mean_abs_dlogprob"], TARGET_INT8_MEAN_DLOGPROB,
