@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from radixserve.disagg.settings import check_disaggregation
 from radixserve.hardware import (  # config.cpu_bf16_feature is what resolve() reads (tests patch it)
     _torch_cuda,
     cpu_bf16_feature,
@@ -15,7 +14,8 @@ from radixserve.hardware import (  # config.cpu_bf16_feature is what resolve() r
     torch_build_has_cuda,
     torch_build_version,
 )
-from radixserve.ipc.kv_events import KVEventsConfig
+from radixserve.settings.disagg import check_disaggregation
+from radixserve.settings.kv_events_config import KVEventsConfig
 
 # Weight formats of --quantization (radixserve/quantization/).
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
@@ -32,7 +32,7 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 DEFAULT_MAX_RUNNING_REQUESTS = 128  # rows of the request-to-token table when unset
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
-SPECULATIVE_ALGORITHMS = ("ngram",)  # scheduler/speculative.py
+SPECULATIVE_ALGORITHMS = ("ngram",)  # speculative/registry.py
 DEFAULT_SPECULATIVE_NUM_DRAFT_TOKENS = 8
 
 
@@ -365,7 +365,7 @@ class ServerArgs:
         if algorithm is not None:
             drafts = drafts or DEFAULT_SPECULATIVE_NUM_DRAFT_TOKENS
             spec_bs = spec_bs or (64 if on_gpu else 4)
-        from radixserve.model.gguf_index import gguf_source
+        from radixserve.checkpoint.gguf_index import gguf_source
 
         # the blocks of the .gguf behind the model (random weights have none)
         source = gguf_source(self.model) if self.quantization in ("auto", "gguf") and self.load_format != "dummy" else None

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from radixserve.config import ServerArgs
-from radixserve.ipc.launcher import ProcessGroup
 from radixserve.runtime.client import RuntimeClient
 from radixserve.runtime.jobs import Job, PromptSpec, prepare_jobs, split_batch
+from radixserve.runtime.launcher import ProcessGroup
 from radixserve.runtime.native_output import LogprobRequest, NativeOutput
 from radixserve.runtime.pieces import Piece
 from radixserve.runtime.tokenizer_manager import RequestError, SchedulingHints

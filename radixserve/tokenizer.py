@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from radixserve.model.records import read_record, record_path, write_record
+from radixserve.checkpoint.records import read_record, record_path, write_record
 
 # The class transformers' own tokenizer.json loader has (v5); where AutoTokenizer resolved a
 # folder to it once, later loads call it directly.

@@ -1,4 +1,4 @@
-"""Decode graphs (scheduler/cuda_graph.py): static buffers, buckets, padding and the static
+"""Decode graphs (executor/cuda_graph.py): static buffers, buckets, padding and the static
 Triton decode plan.  On a CPU the runner replays by running the forward over the same static
 buffers (the capture itself needs CUDA; bench/gpu_check.sh runs this file on a GPU, where it
 captures for real)."""
@@ -11,7 +11,7 @@ import torch
 from helpers.sched_driver import make_scheduler, run_until_idle, submit
 
 from radixserve.config import ServerArgs
-from radixserve.scheduler.cuda_graph import graph_buckets
+from radixserve.executor.cuda_graph import graph_buckets
 
 ON_CUDA = torch.cuda.is_available()
 # On a GPU machine the kernels are compiled and the graphs captured for real.

@@ -1,5 +1,8 @@
-"""The package's layers, read from its import statements (type-only imports included).
+"""The package's layers, read from its import statements (lazy and type-only imports included).
 
+- the package's parts (its folders and top-level modules) form the ordered layers of
+  ``LAYERS``, which the docs' architecture page lists: a part imports only parts of lower
+  layers, so no import points up and no cycle joins two parts;
 - no import cycle between modules;
 - ``radixserve.kernels`` (the Triton kernels) depends on nothing else in the package;
 - ``distributed`` sits below ``model`` (it never imports the model, attention, cache or
@@ -110,6 +113,86 @@ def _crossings(frm: str, to: tuple[str, ...]) -> list[str]:
     return [f"{MODULES[a].relative_to(ROOT)}:{line} imports {b}"
             for a, deps in sorted(GRAPH.items()) if _in(a, frm)
             for b, line in sorted(deps.items()) if any(_in(b, t) for t in to)]
+
+
+# The package's parts, top to bottom: a part imports only parts of the layers below its own.
+# docs/architecture.md lists the same layers (test_the_docs_list_the_layers).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("cli",),
+    ("program",),
+    ("engine", "frontend"),
+    ("runtime",),
+    ("disagg",),
+    ("scheduler", "detokenizer"),
+    ("speculative", "executor"),
+    ("model",),
+    ("attention", "distributed"),
+    ("quantization", "batch"),
+    ("cache", "ipc", "chat", "grammar", "tokenizer"),
+    ("schema",),
+    ("sampling",),
+    ("cpu_ext", "kernels", "transfer"),
+    ("config",),
+    ("hardware", "settings"),
+    ("checkpoint", "validation", "logging_utils", "threads", "profiler_scopes"),
+)
+
+
+def part_of(module: str) -> str | None:
+    """The part a module belongs to: ``radixserve.cache.radix_tree`` -> ``cache``; None for the
+    package itself (``from radixserve import __version__``), which every import runs anyway."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Every import of a part from a part of the same or a higher layer, and every part that
+    ``LAYERS`` does not place."""
+    level = {part: i for i, names in enumerate(LAYERS) for part in names}
+    found = []
+    for a, deps in sorted(graph.items()):
+        pa = part_of(a)
+        if pa is None:
+            continue
+        if pa not in level:
+            found.append(f"{a}: part {pa!r} is in no layer of LAYERS")
+            continue
+        for b, line in sorted(deps.items()):
+            pb = part_of(b)
+            if pb is None or pb == pa:
+                continue
+            if pb not in level or level[pb] <= level[pa]:
+                found.append(f"{a}:{line} imports {b} ({pa} -> {pb}: not a lower layer)")
+    return found
+
+
+def test_parts_import_only_lower_layers():
+    assert upward_imports(GRAPH) == []
+
+
+def test_an_upward_import_is_caught():
+    graph = {name: dict(deps) for name, deps in GRAPH.items()}
+    graph["radixserve.config"]["radixserve.scheduler.scheduler"] = 1
+    graph["radixserve.cache.kv_pool"]["radixserve.ipc.messages"] = 2  # same layer: refused too
+    found = upward_imports(graph)
+    assert any("radixserve.config:1 imports radixserve.scheduler.scheduler" in f for f in found)
+    assert any("radixserve.cache.kv_pool:2 imports radixserve.ipc.messages" in f for f in found)
+
+
+def test_every_part_is_placed_once():
+    placed = [part for names in LAYERS for part in names]
+    assert len(placed) == len(set(placed))
+    assert {part_of(m) for m in MODULES} - {None} == set(placed)
+
+
+def test_the_docs_list_the_layers():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    block = page.split("<!-- layers: tests/test_layers.py -->", 1)[1].split("```", 2)[1]
+    rows = [line for line in block.splitlines() if line[:1].isdigit()]
+    listed = tuple(tuple(line.split(".", 1)[1].split()) for line in rows)
+    assert listed == LAYERS
 
 
 def test_the_graph_sees_the_package():

@@ -14,8 +14,8 @@ import torch
 from helpers.model_runner import ModelRunner
 
 from radixserve import cpu_ext
+from radixserve.checkpoint.gguf_index import gguf_source, read_gguf_index, served_tensor_count
 from radixserve.config import ServerArgs
-from radixserve.model.gguf_index import gguf_source, read_gguf_index, served_tensor_count
 from radixserve.model.loader import load_model
 from radixserve.quantization import (
     BLOCK4,

@@ -1,4 +1,4 @@
-"""N-gram speculative decoding (``--speculative-algorithm ngram``, scheduler/speculative.py).
+"""N-gram speculative decoding (``--speculative-algorithm ngram``, speculative/ngram.py).
 
 The oracle is the same scheduler without speculation (and HF greedy for the tiny models):
 greedy and seeded output must be the same tokens, with the same logprobs, on every path
@@ -17,9 +17,18 @@ import pytest
 from helpers.oracle import hf_greedy
 from helpers.sched_driver import finish_dict, make_scheduler, run_until_idle, submit
 
+from radixserve import config
 from radixserve.cache.radix_tree import RadixCache
 from radixserve.config import ServerArgs
-from radixserve.scheduler.speculative import SpecState, context_continuation, tree_continuation
+from radixserve.speculative import (
+    Proposer,
+    SpecState,
+    make_proposer,
+    proposer_names,
+    server_proposer,
+    steps_carry_drafts,
+)
+from radixserve.speculative.ngram import NgramProposer, context_continuation, tree_continuation
 
 NGRAM = {"speculative_algorithm": "ngram"}
 
@@ -129,6 +138,27 @@ def test_spec_meta_is_sglangs() -> None:
 def test_bad_settings_are_refused(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ServerArgs(**settings)
+
+
+def test_the_registry_names_the_settings_algorithms() -> None:
+    # config sits below speculative/ and keeps its own tuple for the settings check
+    assert set(proposer_names()) == set(config.SPECULATIVE_ALGORITHMS)
+    args = ServerArgs(speculative_algorithm="ngram", device="cpu").resolve()
+    for name in proposer_names():
+        assert isinstance(make_proposer(name, args), Proposer)
+    with pytest.raises(ValueError, match="unknown speculative algorithm 'eagle'"):
+        make_proposer("eagle", args)
+
+
+def test_the_server_proposer_and_whether_steps_carry_drafts() -> None:
+    on = ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=5,
+                    disable_radix_cache=True, device="cpu").resolve()
+    spec = server_proposer(on)
+    assert isinstance(spec, NgramProposer)
+    assert spec.max_drafts == 4 and spec.disable_by_batch_size == 4 and not spec.use_tree
+    assert steps_carry_drafts(on)
+    off = ServerArgs(device="cpu").resolve()
+    assert server_proposer(off) is None and not steps_carry_drafts(off)
 
 
 def test_settings_resolve() -> None:

@@ -89,8 +89,8 @@ def test_only_one_row_steps_take_it(tiny_model_dir) -> None:
 
 def test_without_vnni_no_weight_is_marked(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """Kernels built without AVX-512 VNNI (or none at all): every step keeps int4_linear."""
+    from radixserve import cpu_ext as quant_ext
     from radixserve.model.loader import load_model
-    from radixserve.quantization import cpu_ext as quant_ext
 
     class NoVnni:
         def __getattr__(self, name: str) -> object:

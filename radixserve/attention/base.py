@@ -26,7 +26,7 @@ class AttentionBackend(ABC):
     """Writes new K/V into the pool and attends over cached prefix + new tokens."""
 
     name: str = "base"
-    supports_cuda_graphs: bool = False  # has graph_plan (scheduler/cuda_graph.py)
+    supports_cuda_graphs: bool = False  # has graph_plan (executor/cuda_graph.py)
     # The model's attention layout (heads, head size), set by whoever runs the model: plans that
     # depend on the query heads (the Triton cascade's tiles) need it before the first layer.
     layer: AttentionLayerInfo | None = None
@@ -58,7 +58,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         """Store k/v at ``fb.out_cache_loc`` in layer ``layer.layer_id``, then attend causally."""
 
-    # ---- CUDA graphs (scheduler/cuda_graph.py) -----------------------------------------
+    # ---- CUDA graphs (executor/cuda_graph.py) ------------------------------------------
     def graph_compatible(self, fb: ForwardBatch) -> bool:
         """Whether this decode batch may replay a captured graph (whose plan is static)."""
         return False

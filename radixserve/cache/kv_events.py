@@ -16,7 +16,7 @@ store in the other.  The disk tier (``cache/tiers``) announces a block when it w
 when a request's tokens name a block an earlier run left there, and removes it when trimmed.
 
 The tree calls :class:`KVEventRecorder` (``RadixCache.events``); the scheduler takes the
-queued events after each step and hands them to the publisher (``ipc/kv_events.py``).
+queued events after each step and hands them to the publisher (``ipc/kv_publisher.py``).
 """
 
 from __future__ import annotations

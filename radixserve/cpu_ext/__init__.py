@@ -34,6 +34,8 @@ from types import ModuleType
 
 import torch
 
+from radixserve.checkpoint.cache_dir import cache_root
+
 log = logging.getLogger("radixserve")
 
 SOURCES = [Path(__file__).with_name(name)
@@ -66,8 +68,7 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    # The same cache root as the converted default model (model/gguf_convert.py: cache_root).
-    root = os.environ.get("RADIXSERVE_CACHE_DIR") or Path.home() / ".cache" / "radixserve"
+    root = cache_root()  # the same folder as the converted models
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + _cpu_flags().encode()
         + " ".join(_FLAGS).encode()

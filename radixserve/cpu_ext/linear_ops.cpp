@@ -310,7 +310,7 @@ void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint1
 // s dx sum_k q_k xq_k + o sum_k x_k: the integer sums by VPDPBUSD (64 products of unsigned and
 // signed bytes per instruction: the nibbles and xq, less 8 sum xq (NibbleRows); xq + 128 and the
 // int8 weight, less 128 sum of the weight (ByteRows)), the offset term with the exact sum of x.
-// The model's LM head keeps float activations (quantization/__init__.py: int8_linear is faster
+// The model's LM head keeps float activations (quantization/apply.py: int8_linear is faster
 // there, and exact).  Centring q keeps the error below that of llama.cpp's Q4_1 form (d dx sum
 // q xq + m dx sum xq), whose two terms are large and cancel (bench/quant_accuracy.py measures
 // the agreement with the float weights).  Blocks go

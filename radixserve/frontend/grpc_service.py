@@ -37,9 +37,9 @@ from radixserve import __version__
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.loads import load_snapshot, parse_include
 from radixserve.frontend.native_api import hf_config
-from radixserve.ipc.kv_events import KVEventsConfig, local_endpoint
 from radixserve.runtime.jobs import bootstraps
 from radixserve.runtime.tokenizer_manager import RequestError, SchedulingHints
+from radixserve.settings.kv_events_config import KVEventsConfig, local_endpoint
 
 if TYPE_CHECKING:
     import grpc

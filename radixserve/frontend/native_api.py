@@ -26,12 +26,12 @@ from radixserve.frontend.loads import load_snapshot, loads_document, parse_inclu
 from radixserve.frontend.native_protocol import AbortRequest, GenerateRequest
 from radixserve.frontend.openai_common import SSE_DONE, guarded_stream
 from radixserve.frontend.state import ServerState, collect
-from radixserve.ipc.kv_events import KVEventsConfig
 from radixserve.runtime.jobs import PromptSpec, prepare_jobs, split_batch
 from radixserve.runtime.native_output import LogprobRequest, NativeOutput
 from radixserve.runtime.pieces import Piece
 from radixserve.runtime.tokenizer_manager import InvalidRequestError, RequestError
 from radixserve.sampling import SamplingParams
+from radixserve.settings.kv_events_config import KVEventsConfig
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 30.0

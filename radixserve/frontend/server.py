@@ -35,10 +35,10 @@ from radixserve.frontend.limits import MAX_INCOMPLETE_HEAD_BYTES, install_limits
 from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
 from radixserve.frontend.state import ServerState
-from radixserve.ipc.launcher import ProcessGroup
 from radixserve.ipc.messages import ModelInfo
 from radixserve.logging_utils import configure_logging
 from radixserve.runtime.client import RuntimeClient
+from radixserve.runtime.launcher import ProcessGroup
 from radixserve.threads import use_one_thread
 
 logger = logging.getLogger("radixserve.server")

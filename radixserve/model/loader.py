@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
+from radixserve.checkpoint.records import read_record, record_path, write_record
 from radixserve.distributed.group import SINGLE, TensorParallel
-from radixserve.hardware import resolve_quantization
 from radixserve.model import get_model_class
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder import CausalLM
 from radixserve.model.default_model import resolve_model_path
-from radixserve.model.records import read_record, record_path, write_record
 from radixserve.model.weight_arena import pack_weights
 from radixserve.quantization import quantize_model
+from radixserve.quantization.registry import resolve as resolve_quantization
 
 
 @dataclass
@@ -99,7 +99,7 @@ def load_model(
         random_weights(model)
     else:
         model.load_weights(iter_safetensors(folder, dtype))
-    from radixserve.model.gguf_index import gguf_source
+    from radixserve.checkpoint.gguf_index import gguf_source
 
     gguf_path = None if load_format == "dummy" else gguf_path or gguf_source(model_path)
     quantization = resolve_quantization(quantization, gguf_path, torch.device(device).type == "cpu", tp.size)

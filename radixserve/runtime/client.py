@@ -14,9 +14,9 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from radixserve.ipc.launcher import ProcessGroup
 from radixserve.ipc.messages import ModelInfo
 from radixserve.runtime.jobs import Job
+from radixserve.runtime.launcher import ProcessGroup
 from radixserve.runtime.native_output import LogprobRequest
 from radixserve.runtime.pieces import Piece
 from radixserve.runtime.tokenizer_manager import TokenizerManager

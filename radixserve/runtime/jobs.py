@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.disagg.settings import DEFAULT_BOOTSTRAP_PORT
 from radixserve.disagg.wire import room_key
 from radixserve.ipc.messages import Bootstrap
 from radixserve.runtime.tokenizer_manager import InvalidRequestError, SchedulingHints
 from radixserve.sampling import SamplingParams
+from radixserve.settings.disagg import DEFAULT_BOOTSTRAP_PORT
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,16 @@ if TYPE_CHECKING:
     from radixserve.cache.radix_tree import RadixCache
     from radixserve.cache.tiers import TierManager
     from radixserve.config import ServerArgs
-    from radixserve.ipc.kv_events import KVEventPublisher
+    from radixserve.executor.model_runner import ModelRunner
+    from radixserve.ipc.kv_publisher import KVEventPublisher
     from radixserve.scheduler.constraints import Constraints
     from radixserve.scheduler.kv_manager import KVManager
-    from radixserve.scheduler.model_runner import ModelRunner
     from radixserve.scheduler.pins import Pins
     from radixserve.scheduler.profiling import StepProfiler
     from radixserve.scheduler.request import Req
-    from radixserve.scheduler.speculative import NgramSpeculator
     from radixserve.scheduler.stats import SchedulerStats
     from radixserve.scheduler.stop import StopChecker
+    from radixserve.speculative import Proposer
 
 Result = dict[str, Any]
 
@@ -52,7 +52,7 @@ class SchedulerControl:
     stats: SchedulerStats
     profiler: StepProfiler
     constraints: Constraints
-    spec: NgramSpeculator | None
+    spec: Proposer | None
     near_misses: deque[dict[str, Any]]
     running: list[Req]
     waiting: deque[Req]

@@ -23,9 +23,10 @@ from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.cache.tiers import TierManager
 from radixserve.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
-from radixserve.ipc.kv_events import KVEventPublisher, KVEventsConfig
+from radixserve.ipc.kv_publisher import KVEventPublisher
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.pins import Pins
+from radixserve.settings.kv_events_config import KVEventsConfig
 
 MAX_AUTO_POOL_TOKENS = 1 << 17
 

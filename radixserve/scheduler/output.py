@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
+from radixserve.executor.prompt_logprobs import attach_prompt_logprobs
 from radixserve.ipc.messages import CacheReport, DetokSettings, ReqMeta, TokenOut
-from radixserve.scheduler.prompt_logprobs import attach_prompt_logprobs
 from radixserve.scheduler.request import Req
 
 

@@ -26,12 +26,11 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from radixserve.executor.model_runner import FORWARD_SCOPE, SAMPLING_SCOPE
 from radixserve.model.decoder import ATTENTION_SCOPE
 from radixserve.quantization import LINEAR_SCOPE
 from radixserve.scheduler.stats import SchedulerStats
 
-FORWARD_SCOPE = "radixserve.forward"  # ModelRunner.forward: batch building and the model
-SAMPLING_SCOPE = "radixserve.sampling"  # ModelRunner.sample
 LINEAR_OPS = frozenset({LINEAR_SCOPE, "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"})
 CATEGORIES = ("attention", "linear", "other", "scheduler", "sampling")
 

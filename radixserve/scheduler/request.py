@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from radixserve.ipc.messages import Bootstrap, FinishReason, PinResult
+from radixserve.speculative.base import SpecState
 from radixserve.validation import check_logprob_start_len
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ class Req:
         self.seed = seed
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
-        # Set when the request asks for prompt logprobs (scheduler/prompt_logprobs.py).
+        # Set when the request asks for prompt logprobs (executor/prompt_logprobs.py).
         self.prompt_logprobs: PromptLogprobs | None = None
         self.stream = stream
         # The cache namespace (``cache_salt``): prefixes are shared only within one.
@@ -131,7 +132,7 @@ class Req:
         # the request's matcher once it is compiled.
         self.grammar_future: Future | None = None
         self.grammar: RequestGrammar | None = None
-        # Speculative decoding (scheduler/speculative.py): this step's drafts and the counters.
+        # Speculative decoding (speculative/): this step's drafts and the counters.
         self.spec: SpecState | None = None
 
     # ---- lengths -----------------------------------------------------------------------
@@ -190,6 +191,13 @@ class Req:
         )
 
 
+def num_drafts(req: Req) -> int:
+    """Draft tokens staged on a decoding request for this step (0 for any other)."""
+    if req.spec is None or req.state != ReqState.RUNNING:
+        return 0
+    return len(req.spec.draft)
+
+
 @dataclass
 class PromptLogprobs:
     """One request's prompt logprobs, accumulated across prefill chunks.
@@ -229,25 +237,3 @@ class PromptLogprobs:
     def pending(self) -> bool:
         """Logits still owed (the prompt's last position is the sampling row, not ours)."""
         return self.next_pos < self.prompt_len - 1
-
-
-@dataclass
-class SpecState:
-    """A request's speculative decoding: the drafts of the current step and its counters."""
-
-    draft: list[int] = field(default_factory=list)  # staged after fill_ids, verified this step
-    verify_ct: int = 0  # decode steps that verified (with or without drafts)
-    proposed: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
-
-    def meta(self, completion_tokens: int) -> dict[str, float | int]:
-        """SGLang's ``meta_info`` fields (``spec_accept_length``: tokens per verify step)."""
-        if not self.verify_ct:
-            return {}
-        return {
-            "spec_verify_ct": self.verify_ct,
-            "spec_accept_length": completion_tokens / self.verify_ct,
-            "spec_accept_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "spec_num_proposed_drafts": self.proposed,
-            "spec_num_correct_drafts": self.accepted,
-        }

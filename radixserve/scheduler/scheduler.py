@@ -12,21 +12,21 @@ from typing import Any
 import torch
 
 from radixserve.config import ServerArgs
+from radixserve.executor.model_runner import ModelRunner
 from radixserve.ipc.messages import ErrorOut, FinishReason, GenerateReq, TokenOut
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
 from radixserve.scheduler.constraints import Constraints
 from radixserve.scheduler.control import SchedulerControl
 from radixserve.scheduler.decode import reserve_decode_slots, retract
 from radixserve.scheduler.memory import KVMemory
-from radixserve.scheduler.model_runner import ModelRunner
 from radixserve.scheduler.output import rows_to_send, token_out
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.profiling import StepProfiler
-from radixserve.scheduler.request import PromptLogprobs, Req, ReqState
-from radixserve.scheduler.speculative import NgramSpeculator, num_drafts
+from radixserve.scheduler.request import PromptLogprobs, Req, ReqState, num_drafts
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker
 from radixserve.scheduler.taker import TokenTaker
+from radixserve.speculative import Proposer, server_proposer
 from radixserve.validation import check_input_ids
 
 logger = logging.getLogger(__name__)
@@ -71,11 +71,7 @@ class Scheduler(SchedulerControl):
             jump_forward=not args.disable_jump_forward,
         )
 
-        self.spec: NgramSpeculator | None = None
-        if args.speculative_algorithm == "ngram":
-            self.spec = NgramSpeculator(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
-                                        args.speculative_ngram_max_match_window_size,
-                                        args.speculative_disable_by_batch_size, use_tree=not args.disable_radix_cache)
+        self.spec: Proposer | None = server_proposer(args)
 
         self.reqs: dict[str, Req] = {}
         self.waiting: deque[Req] = deque()
@@ -327,7 +323,7 @@ class Scheduler(SchedulerControl):
         # Rows that sample: decodes, and prefills whose whole prompt is computed by this forward,
         # except prefill-only requests (max_new_tokens 0), which finish here with nothing
         # sampled: their prompt goes to the tree when they are released, like any finished
-        # request's.  A decode with k drafts samples k + 1 rows (scheduler/speculative.py).
+        # request's.  A decode with k drafts samples k + 1 rows (speculative/).
         done = [i for i, (r, n) in enumerate(entries) if r.kv.computed_len + n == r.fill_len + num_drafts(r)]
         sample_idx = [i for i in done if entries[i][0].params.max_new_tokens > 0]
         drafts = {i: k for i in sample_idx if (k := num_drafts(entries[i][0]))}

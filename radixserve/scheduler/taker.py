@@ -16,13 +16,13 @@ if TYPE_CHECKING:
     from radixserve.sampling import SampleOutput
     from radixserve.scheduler.constraints import Constraints
     from radixserve.scheduler.kv_manager import KVManager
-    from radixserve.scheduler.speculative import NgramSpeculator
     from radixserve.scheduler.stats import SchedulerStats
     from radixserve.scheduler.stop import StopChecker
+    from radixserve.speculative import Proposer
 
 
 class TokenTaker:
-    def __init__(self, stop_checker: StopChecker, constraints: Constraints, spec: NgramSpeculator | None,
+    def __init__(self, stop_checker: StopChecker, constraints: Constraints, spec: Proposer | None,
                  kv: KVManager, stats: SchedulerStats, context_len: int) -> None:
         self.stop_checker = stop_checker
         self.constraints = constraints

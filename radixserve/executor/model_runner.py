@@ -10,14 +10,17 @@ from radixserve.batch import ForwardBatch
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.req_to_token import ReqToTokenPool
 from radixserve.distributed.step_message import StepBatch, pack_rows
+from radixserve.executor import prompt_logprobs
+from radixserve.executor.cuda_graph import DecodeGraphs
+from radixserve.executor.req_view import ReqView
+from radixserve.executor.tp_worker import WorkerLink
 from radixserve.profiler_scopes import scope
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
-from radixserve.scheduler import prompt_logprobs
-from radixserve.scheduler.cuda_graph import DecodeGraphs
-from radixserve.scheduler.profiling import FORWARD_SCOPE, SAMPLING_SCOPE
-from radixserve.scheduler.request import Req
-from radixserve.scheduler.tp_worker import WorkerLink
 from radixserve.transfer import resolve
+
+# torch.profiler ranges of a step's forward and sampling (the scheduler's StepProfiler reads them).
+FORWARD_SCOPE = "radixserve.forward"  # ModelRunner.forward: batch building and the model
+SAMPLING_SCOPE = "radixserve.sampling"  # ModelRunner.sample
 
 
 class ModelRunner:
@@ -58,7 +61,7 @@ class ModelRunner:
         return self.backend.name
 
     def build_batch(
-        self, entries: list[tuple[Req, int]], extra_logits: np.ndarray | None = None
+        self, entries: list[tuple[ReqView, int]], extra_logits: np.ndarray | None = None
     ) -> ForwardBatch:
         """Entry ``(req, n)`` computes ``fill_ids[computed_len : computed_len + n]`` of ``req``; the forward
         also returns the logits of the batch tokens ``extra_logits`` (after the last-token rows)."""
@@ -100,12 +103,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, entries: list[tuple[Req, int]], sample_rows: list[int] | None = None,
+    def forward(self, entries: list[tuple[ReqView, int]], sample_rows: list[int] | None = None,
                 drafts: dict[int, int] | None = None) -> torch.Tensor:
         """Float32 logits at the last new token of the entries ``sample_rows`` (all of them
         when None), in that order.  An entry with ``k = drafts[i]`` speculative draft tokens at
         the end of its new tokens has ``k + 1`` rows instead: at the token before each draft,
-        then at the last one (``scheduler/speculative.py``).
+        then at the last one (``speculative/ngram.py``).
 
         Requests that owe prompt logprobs get them from the same forward: the LM head also
         reads their prompt rows, and ``prompt_logprobs.record`` stores the result on them.
@@ -132,7 +135,7 @@ class ModelRunner:
             return logits[:num_entries]
 
     @staticmethod
-    def _logit_rows(entries: list[tuple[Req, int]], rows: list[int], plan: prompt_logprobs.PromptLogprobPlan | None,
+    def _logit_rows(entries: list[tuple[ReqView, int]], rows: list[int], plan: prompt_logprobs.PromptLogprobPlan | None,
                     drafts: dict[int, int]) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The batch's extra LM-head rows (token indices: prompt-logprob rows, then the rows
         before each draft) and the logits rows to return (None: the first B, as they are)."""
@@ -154,7 +157,7 @@ class ModelRunner:
         return np.concatenate(extra), np.asarray(select, dtype=np.int64)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]] | None = None) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, reqs: list[ReqView], drafts: list[list[int]] | None = None) -> SampleOutput:
         """One token per row of ``logits``: a request with ``drafts[i]`` (k tokens) owns ``k + 1``
         consecutive rows, row ``j`` sampled as if ``drafts[i][:j]`` followed its output."""
         with scope(SAMPLING_SCOPE):

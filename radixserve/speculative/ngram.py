@@ -1,8 +1,8 @@
 """N-gram speculative decoding (``--speculative-algorithm ngram``): drafts without a draft model.
 
-Before each forward, every decoding request (while at most ``--speculative-disable-by-batch-size``
-run) gets up to ``--speculative-num-draft-tokens - 1`` draft tokens, from the first source that
-has some:
+Before each forward, every decoding request (while at most
+``--speculative-disable-by-batch-size`` run) gets up to ``--speculative-num-draft-tokens - 1``
+draft tokens, from the first source that has some:
   1. the radix tree: text another request already computed after this request's exact token
      sequence (a retried or regenerated prompt, parallel samples of one prompt, the branches
      of a program), found by walking down from the node that holds the request's prefix;
@@ -35,28 +35,22 @@ tokens, ``a`` the accepted drafts, ``k`` the drafts):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixserve.scheduler.request import ReqState, SpecState
+from radixserve.speculative.base import DraftReqView, DraftSlots, Proposer, SpecState
 
 if TYPE_CHECKING:
     from radixserve.cache.radix_tree import TreeNode
-    from radixserve.scheduler.kv_manager import KVManager
-    from radixserve.scheduler.request import Req
+    from radixserve.config import ServerArgs
 
 _ITEM = 8  # bytes per token id in a tree key
 
 
-def num_drafts(req: Req) -> int:
-    """Draft tokens staged on a decoding request for this step (0 for any other)."""
-    if req.spec is None or req.state != ReqState.RUNNING:
-        return 0
-    return len(req.spec.draft)
-
-
-def tree_continuation(node: TreeNode, tail: np.ndarray, page_size: int, limit: int) -> list[int]:
+def tree_continuation(node: TreeNode, tail: np.ndarray, page_size: int,
+                      limit: int) -> list[int]:
     """Up to ``limit`` tokens that follow ``tail`` below ``node`` in the radix tree (read only).
 
     ``node`` holds the request's tokens before ``tail``; the walk follows ``tail`` down, then
@@ -68,7 +62,8 @@ def tree_continuation(node: TreeNode, tail: np.ndarray, page_size: int, limit: i
     while pos < n:
         child = None
         if n - pos >= page_size:
-            first = int(tail[pos]) if page_size == 1 else tuple(tail[pos : pos + page_size].tolist())
+            first = (int(tail[pos]) if page_size == 1
+                     else tuple(tail[pos : pos + page_size].tolist()))
             child = node.children.get(first)
         else:  # a partial page: any child whose run starts with it
             rest = key[pos * _ITEM :]
@@ -93,7 +88,8 @@ def tree_continuation(node: TreeNode, tail: np.ndarray, page_size: int, limit: i
     return out
 
 
-def context_continuation(tokens: np.ndarray, min_window: int, max_window: int, limit: int) -> list[int]:
+def context_continuation(tokens: np.ndarray, min_window: int, max_window: int,
+                         limit: int) -> list[int]:
     """Up to ``limit`` tokens that followed the latest earlier occurrence of the longest suffix
     of ``tokens`` (``min_window`` to ``max_window`` tokens long); empty when none recurs."""
     total = len(tokens)
@@ -118,21 +114,26 @@ def context_continuation(tokens: np.ndarray, min_window: int, max_window: int, l
     return tokens[end : end + limit].tolist()
 
 
-class NgramSpeculator:
-    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, disable_by_batch_size: int,
-                 use_tree: bool) -> None:
+class NgramProposer(Proposer):
+    """Drafts from the radix tree, else from the request's own prompt and output."""
+
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int,
+                 disable_by_batch_size: int, use_tree: bool) -> None:
+        super().__init__()
         self.max_drafts = num_draft_tokens - 1
         self.min_window = min_window
         self.max_window = max_window
         self.disable_by_batch_size = disable_by_batch_size
         self.use_tree = use_tree
-        # Counters for the scheduler's stats (SGLang's spec_accept_length: tokens per verify).
-        self.verify_steps = 0
-        self.proposed = 0
-        self.accepted = 0
         self.from_tree = 0  # drafts found in the radix tree (the rest: the request's own text)
 
-    def propose(self, decodes: list[Req], kv: KVManager, context_len: int) -> int:
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> NgramProposer:
+        return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
+                   args.speculative_ngram_max_match_window_size,
+                   args.speculative_disable_by_batch_size, use_tree=not args.disable_radix_cache)
+
+    def propose(self, decodes: Sequence[DraftReqView], kv: DraftSlots, context_len: int) -> int:
         """Stage drafts on the decoding requests and back them with free slots; return the
         number of draft tokens staged.  Every decoding request gets a SpecState (a verify)."""
         for req in decodes:
@@ -141,7 +142,7 @@ class NgramSpeculator:
             req.spec.draft = []
         if len(decodes) > self.disable_by_batch_size:
             return 0
-        drafted: list[Req] = []
+        drafted: list[DraftReqView] = []
         in_tree: set[int] = set()  # requests whose drafts the tree gave
         for req in decodes:
             room = min(self.max_drafts, req.params.max_new_tokens - req.output_len - 1,
@@ -160,48 +161,26 @@ class NgramSpeculator:
         # Slots for the drafts from free pages only; the latest admitted go without first.
         drafted.sort(key=lambda r: r.admit_seq)
         while drafted:
-            need = sum(kv.new_pages_needed(r, r.remaining_extend + len(r.spec.draft)) for r in drafted)
+            need = sum(kv.new_pages_needed(r, r.remaining_extend + len(r.spec.draft))
+                       for r in drafted)
             if need <= kv.allocator.num_free_pages:
                 break
             drafted.pop().spec.draft = []
-        if drafted and not kv.ensure_slots_many(drafted, [r.remaining_extend + len(r.spec.draft) for r in drafted]):
+        if drafted and not kv.ensure_slots_many(
+                drafted, [r.remaining_extend + len(r.spec.draft) for r in drafted]):
             for req in drafted:
                 req.spec.draft = []
             return 0
         self.from_tree += sum(len(r.spec.draft) for r in drafted if id(r) in in_tree)
         return sum(len(r.spec.draft) for r in drafted)
 
-    def _find(self, req: Req, kv: KVManager, room: int) -> tuple[list[int], bool]:
+    def _find(self, req: DraftReqView, kv: DraftSlots, room: int) -> tuple[list[int], bool]:
         if self.use_tree and req.kv.last_node is not None:
-            found = tree_continuation(req.kv.last_node, req.tokens(req.kv.cached_len), kv.page_size, room)
+            found = tree_continuation(req.kv.last_node, req.tokens(req.kv.cached_len),
+                                      kv.page_size, room)
             if found:
                 return found, True
         return context_continuation(req.tokens(0), self.min_window, self.max_window, room), False
 
-    def accept(self, req: Req, sampled: list[int]) -> int:
-        """How many of the request's drafts the sampled tokens ``[k + 1]`` confirm."""
-        draft = req.spec.draft
-        accepted = 0
-        while accepted < len(draft) and sampled[accepted] == draft[accepted]:
-            accepted += 1
-        return accepted
-
-    def record(self, req: Req, accepted: int) -> None:
-        spec = req.spec
-        spec.verify_ct += 1
-        spec.proposed += len(spec.draft)
-        spec.accepted += accepted
-        self.verify_steps += 1
-        self.proposed += len(spec.draft)
-        self.accepted += accepted
-        spec.draft = []
-
     def stats(self) -> dict[str, float | int]:
-        return {
-            "spec_verify_steps": self.verify_steps,
-            "spec_draft_tokens": self.proposed,
-            "spec_accepted_tokens": self.accepted,
-            "spec_draft_tokens_from_tree": self.from_tree,
-            "spec_accept_length": (self.verify_steps + self.accepted) / self.verify_steps if self.verify_steps else 0.0,
-            "spec_accept_rate": self.accepted / self.proposed if self.proposed else 0.0,
-        }
+        return {**super().stats(), "spec_draft_tokens_from_tree": self.from_tree}

@@ -92,7 +92,7 @@ class ProcessGroup:
         """Start the processes (with ``tp_size > 1``, one more per extra tensor-parallel rank);
         return the scheduler's model info once all are ready."""
         from radixserve.detokenizer import run_detokenizer_process
-        from radixserve.scheduler.process import run_scheduler_process
+        from radixserve.runtime.scheduler_main import run_scheduler_process
 
         _check_can_start_children()
         ctx = mp.get_context("spawn")
@@ -110,7 +110,7 @@ class ProcessGroup:
         )
         rank_pipes = {}
         if self.args.tp_size > 1:  # the module imports torch: the front end waits for it only then
-            from radixserve.scheduler.tp_worker import run_tp_worker_process
+            from radixserve.executor.tp_worker import run_tp_worker_process
         for rank in range(1, self.args.tp_size):
             name = f"tensor-parallel rank {rank}"
             rank_pipes[name], rank_w = ctx.Pipe(duplex=False)

@@ -1,17 +1,22 @@
-"""A GGUF file's quantized tensors served as they are stored (``--quantization gguf``).
+"""``--quantization gguf``: a GGUF file's quantized tensors served as they are stored.
 
 The loader builds every model from float weights (a GGUF is dequantized once into the cache
-folder, model/gguf_convert.py).  Here each matmul weight whose GGUF tensor is Q4_0, Q4_1 or Q8_0
-takes that tensor's blocks instead: Q4_0 / Q4_1 as an :class:`Int4Weight` (Q4_0's ``m`` is
-``-8 d``), Q8_0 as an :class:`Int8Weight` with a scale per 32.  Before a layer takes them its
-blocks are dequantized and compared with the float weight the converter wrote, bit for bit: the
-model computes with the same weights as in float32 (only the order of the sums differs), and a
-name mapped wrongly or a row order not undone keeps the float weight instead of serving garbage.
+folder, model/gguf_convert.py).  Here each matmul weight whose GGUF tensor is of a type
+registered in registry.py (Q4_0 / Q4_1 as an :class:`~radixserve.quantization.int4.Int4Weight`,
+Q4_0's ``m`` being ``-8 d``; Q8_0 as an :class:`~radixserve.quantization.int8.Int8Weight` with a
+scale per 32) takes that tensor's blocks instead: the same weights float32 computes with in a
+quarter to a sixth of the bytes.  Before a layer takes them its blocks are dequantized and
+compared with the float weight the converter wrote, bit for bit: the model computes with the
+same weights as in float32 (only the order of the sums differs), and a name mapped wrongly or a
+row order not undone keeps the float weight instead of serving garbage.
 
 Names: the model's parameter names are Hugging Face's (a merged q/k/v or gate/up layer has one
 per part), mapped to GGUF's by the ``gguf`` package's own table.  llama.cpp stores a Llama's q and
 k rows interleaved for its RoPE; transformers undoes that on load, and so do the rows here (both
 orders are tried: other architectures are stored as they are).
+
+``auto`` chooses it for a GGUF model with tensors of those types on a CPU, one rank: int8 and
+int4 of a float checkpoint round every weight, the GGUF's blocks none.
 """
 
 from __future__ import annotations
@@ -25,49 +30,53 @@ import torch
 from torch import nn
 
 from radixserve import cpu_ext
-from radixserve.model.gguf_index import BLOCK_BYTES, SERVED_TYPES, GGUFTensor, read_gguf_index
-from radixserve.quantization.weights import Int4Weight, Int8Weight, QuantizedWeight
+from radixserve.checkpoint.gguf_index import GGUFTensor, read_gguf_index
+from radixserve.quantization.base import GGUFType, QuantMethod
+from radixserve.quantization.registry import get_gguf_type, gguf_types
+from radixserve.quantization.weights import QuantizedWeight
 
 log = logging.getLogger("radixserve")
 
 
-def _block_weight(file: np.memmap, tensor: GGUFTensor, dtype: torch.dtype) -> QuantizedWeight | None:
-    """The GGUF tensor's blocks as a quantized weight (rows: the tensor's rows), or None for a
-    type not served."""
-    if tensor.kind not in SERVED_TYPES or len(tensor.shape) != 2:
+class GGUFMethod(QuantMethod):
+    name = "gguf"
+    gguf_types = gguf_types()
+    auto_rank = 1
+    auto_cpu_only = True
+    one_rank = True
+    int8_activations = True
+
+    def kernels(self) -> tuple[str, ...]:
+        found: dict[str, None] = {}
+        for kind in self.gguf_types:
+            found.update(dict.fromkeys(get_gguf_type(kind).weight.kernels))
+        return tuple(found)
+
+    def apply(self, model: nn.Module, modules: list[tuple[str, nn.Module]], head: nn.Module | None,
+              gguf_path: str | None) -> None:
+        if gguf_path is None:
+            raise ValueError("quantization gguf serves the blocks of a .gguf model; this model is "
+                             "not one (int8 or int4 quantize a float checkpoint)")
+        kinds, before, after = serve_gguf_blocks(model, gguf_path, modules)
+        log.info("weights served as the GGUF's blocks: %.0f MB -> %.0f MB; %s", before / 2**20,
+                 after / 2**20,
+                 ", ".join(f"{count} layer(s) {what}" for what, count in sorted(kinds.items())))
+
+
+def _block_weight(file: np.memmap, tensor: GGUFTensor,
+                  dtype: torch.dtype) -> tuple[QuantizedWeight, GGUFType] | None:
+    """The GGUF tensor's blocks as a quantized weight (rows: the tensor's rows) and its type's
+    reader, or None for a type not served."""
+    kind = get_gguf_type(tensor.kind)
+    if kind is None or len(tensor.shape) != 2:
         return None
     k, rows = tensor.shape
-    size = BLOCK_BYTES[tensor.kind]
-    raw = file[tensor.offset:tensor.offset + rows * (k // 32) * size]
-    if k % 32 or len(raw) != rows * (k // 32) * size:
-        raise ValueError(f"GGUF tensor {tensor.name}: {tensor.kind} {tensor.shape} does not fit the file")
-    blocks = torch.from_numpy(np.array(raw).reshape(rows, k // 32, size))
-    d = blocks[:, :, 0:2].contiguous().view(torch.float16).view(rows, k // 32)
-    if tensor.kind == "Q8_0":
-        q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(rows, k)
-        return Int8Weight(q, d.float(), dtype)
-    if tensor.kind == "Q4_1":
-        m = blocks[:, :, 2:4].contiguous().view(torch.float16).view(rows, k // 32)
-        qs = blocks[:, :, 4:]
-    else:
-        m, qs = d * -8, blocks[:, :, 2:]
-    return Int4Weight(qs.reshape(rows, k // 2).contiguous(), d, m, dtype)
-
-
-def _take_rows(weight: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
-    if isinstance(weight, Int8Weight):
-        return Int8Weight(weight.q[index], weight.scale[index], weight.dtype)
-    return Int4Weight(weight.qs[index], weight.d[index], weight.m[index], weight.dtype)
-
-
-def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    if isinstance(first, Int8Weight):
-        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), first.dtype)
-    return Int4Weight(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
-                      torch.cat([p.m for p in parts]), first.dtype)
+    blocks, size = k // kind.block_weights, kind.block_bytes
+    raw = file[tensor.offset:tensor.offset + rows * blocks * size]
+    if k % kind.block_weights or len(raw) != rows * blocks * size:
+        raise ValueError(f"GGUF tensor {tensor.name}: {tensor.kind} {tensor.shape} does not fit "
+                         "the file")
+    return kind.read(torch.from_numpy(np.array(raw).reshape(rows, blocks, size)), dtype), kind
 
 
 def _row_orders(rows: int, heads: int | None) -> Iterator[torch.Tensor | None]:
@@ -78,7 +87,8 @@ def _row_orders(rows: int, heads: int | None) -> Iterator[torch.Tensor | None]:
 
 
 def _dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight, through the C++ kernel where it loads (torch's ops would be much of the load's time)."""
+    """The float weight, through the C++ kernel where it loads (torch's ops would be much of the
+    load's time)."""
     if cpu_ext.load() is None:
         return weight.dequantized(dtype)
     out = torch.empty(weight.shape, dtype=dtype)
@@ -86,16 +96,18 @@ def _dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _matching(weight: QuantizedWeight, target: torch.Tensor, heads: int | None) -> QuantizedWeight | None:
+def _matching(weight: QuantizedWeight, target: torch.Tensor,
+              heads: int | None) -> QuantizedWeight | None:
     """``weight`` (or its rows reordered) if it dequantizes to ``target`` exactly, else None."""
     if tuple(weight.shape) != tuple(target.shape):
         return None
     probe = torch.tensor([0, target.shape[0] - 1])
     for order in _row_orders(target.shape[0], heads):
         # two rows first: a wrong row order fails there, without a whole dequantization
-        if not torch.equal(weight.rows(probe if order is None else order[probe]).to(target.dtype), target[probe]):
+        rows = weight.rows(probe if order is None else order[probe]).to(target.dtype)
+        if not torch.equal(rows, target[probe]):
             continue
-        candidate = weight if order is None else _take_rows(weight, order)
+        candidate = weight if order is None else weight.take_rows(order)
         if torch.equal(_dequantized(candidate, target.dtype), target):
             return candidate
     return None
@@ -110,20 +122,21 @@ def _parts(name: str, module: nn.Module) -> list[tuple[str, str | None]]:
     return [(f"{parent}.{shard}_proj.weight", shard) for shard in shards]
 
 
-def _layer_blocks(name: str, module: nn.Module, tensors: dict[str, GGUFTensor], file: np.memmap, names: object,
-                  heads: dict[str, int]) -> tuple[QuantizedWeight | None, str]:
+def _layer_blocks(name: str, module: nn.Module, tensors: dict[str, GGUFTensor], file: np.memmap,
+                  names: object, heads: dict[str, int]) -> tuple[QuantizedWeight | None, str]:
     """The GGUF's blocks for one layer's weight (its parts joined in row order) and what it
     got, or None and why it keeps its float weight."""
     weight = module.weight.detach()
-    parts = []
+    parts, label = [], ""
     for hf_name, shard in _parts(name, module):
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight",)) if names is not None else None
+        gguf_name = None if names is None else names.get_name(hf_name, try_suffixes=(".weight",))
         if gguf_name == "output.weight" and gguf_name not in tensors:
             gguf_name = "token_embd.weight"  # a tied LM head is the embedding table
         tensor = tensors.get(gguf_name)
-        blocks = _block_weight(file, tensor, weight.dtype) if tensor is not None else None
-        if blocks is None:
+        read = _block_weight(file, tensor, weight.dtype) if tensor is not None else None
+        if read is None:
             return None, f"float: {tensor.kind if tensor is not None else 'no GGUF tensor'}"
+        blocks, label = read[0], label or read[1].label
         start, size = module.shard_offsets[shard] if shard else (0, weight.shape[0])
         blocks = _matching(blocks, weight[start:start + size], heads.get(shard or ""))
         if blocks is None:
@@ -131,8 +144,7 @@ def _layer_blocks(name: str, module: nn.Module, tensors: dict[str, GGUFTensor], 
         parts.append(blocks)
     if len({type(p) for p in parts}) != 1:
         return None, "float: parts of mixed types"
-    quantized = _concat(parts)
-    return quantized, "Q8_0 blocks" if isinstance(quantized, Int8Weight) else "Q4 blocks"
+    return (parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)), label
 
 
 def serve_gguf_blocks(model: nn.Module, gguf_path: str,

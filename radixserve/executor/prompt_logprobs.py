@@ -5,7 +5,7 @@ request that asks from ``start`` needs the logits at positions ``[max(start - 1,
 prompt_len - 1)`` (the logits at ``prompt_len - 1`` are the ones the first output token is
 sampled from).  They are computed in the same forward as the prompt's K/V: the model's LM
 head reads these extra rows of the batch (only for requests that asked), chunk by chunk, and
-:func:`record` appends them to the request's :class:`PromptLogprobs`.
+:func:`record` appends them to the request's ``PromptLogprobs`` (``scheduler/request.py``).
 
 Tokens served from the radix cache have K/V but no logits, so while logits are still owed
 the request's prefix match stops at :attr:`PromptLogprobs.next_pos` (see
@@ -29,8 +29,8 @@ import torch
 from radixserve.sampling.logprobs import token_logprobs
 
 if TYPE_CHECKING:
+    from radixserve.executor.req_view import ReqView
     from radixserve.ipc.messages import TokenOut
-    from radixserve.scheduler.request import Req
 
 
 @dataclass
@@ -44,18 +44,18 @@ class PromptLogprobPlan:
 
     rows: np.ndarray
     targets: np.ndarray
-    owners: list[tuple[Req, int]]
+    owners: list[tuple[ReqView, int]]
 
     @property
     def num_rows(self) -> int:
         return len(self.rows)
 
 
-def plan_rows(entries: list[tuple[Req, int]]) -> PromptLogprobPlan | None:
+def plan_rows(entries: list[tuple[ReqView, int]]) -> PromptLogprobPlan | None:
     """Extra LM-head rows of a forward whose entry ``(req, n)`` computes ``fill_ids[computed_len : computed_len + n]``."""
     rows: list[np.ndarray] = []
     targets: list[np.ndarray] = []
-    owners: list[tuple[Req, int]] = []
+    owners: list[tuple[ReqView, int]] = []
     offset = 0  # index of the entry's first token in the batch
     for req, n in entries:
         state = req.prompt_logprobs
@@ -93,7 +93,7 @@ def record(plan: PromptLogprobPlan, logits: torch.Tensor, targets: torch.Tensor)
         pos += count
 
 
-def attach_prompt_logprobs(out: TokenOut, req: Req) -> None:
+def attach_prompt_logprobs(out: TokenOut, req: ReqView) -> None:
     """Add the request's prompt logprobs to its row of ``out`` the first time they are complete.
 
     Rows of other requests (and later rows) get None; a request aborted before its prompt

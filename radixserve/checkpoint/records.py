@@ -11,7 +11,7 @@ import os
 from importlib.metadata import version
 from typing import Any
 
-from radixserve.model.gguf_convert import cache_root
+from radixserve.checkpoint.cache_dir import cache_root
 
 log = logging.getLogger("radixserve")
 
