@@ -10,9 +10,9 @@
   with each request's own keys by log-sum-exp (host plan: ``build_cascade_plan``).
 - ``groups``: which requests share a cached prefix (numpy only, also the CPU plan's).
 
-Importing any of the kernel modules imports Triton.  Without a CUDA device, Triton can only run the kernels
-in its interpreter, so this package opts into it (``TRITON_INTERPRET=1``) before anything
-imports Triton; tests on a CPU rely on that.
+Importing any of the kernel modules imports Triton.  Without a CUDA device, Triton can only
+run the kernels in its interpreter, so this package opts into it (``TRITON_INTERPRET=1``)
+before anything imports Triton; tests on a CPU rely on that.
 """
 
 from __future__ import annotations

@@ -47,8 +47,10 @@ def kv_scales(k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor | 
         raise ValueError("an int8 KV pool needs k_scale and v_scale")
     for buf, scale in ((k_buf, k_scale), (v_buf, v_scale)):
         if scale.shape != buf.shape[:2] or scale.stride(1) != 1:
-            raise ValueError(f"KV scales must be [num_slots, KV heads] = {tuple(buf.shape[:2])} with "
-                             f"unit stride along the heads, got {tuple(scale.shape)}")
+            raise ValueError(
+                f"KV scales must be [num_slots, KV heads] = {tuple(buf.shape[:2])} with "
+                f"unit stride along the heads, got {tuple(scale.shape)}"
+            )
     return k_scale, v_scale, k_scale.stride(0), v_scale.stride(0)
 
 

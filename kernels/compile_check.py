@@ -175,11 +175,17 @@ def check(arch: int, level: str) -> list[Compiled]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
-    p.add_argument("--level", choices=("headline", "default", "full"), default="default",
-                   help="headline: bf16 d128 GQA 4 (float, int8 and fp8 pools); default: 10 points; "
-                        "full: every dtype, head dim, group and pool")
+    p.add_argument(
+        "--level",
+        choices=("headline", "default", "full"),
+        default="default",
+        help="headline: bf16 d128 GQA 4 (float, int8 and fp8 pools); default: 10 points; "
+        "full: every dtype, head dim, group and pool",
+    )
     args = p.parse_args()
     if interpreting():
         print("compile_check needs TRITON_INTERPRET=0 (the interpreter replaces the JIT kernels)",

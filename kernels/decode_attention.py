@@ -197,13 +197,16 @@ def alloc_decode_workspace(
     batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial outputs ``[B, H, S, D]`` and log-sum-exps ``[B, H, S]`` (float32)."""
-    mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    mid_o = torch.empty(
+        (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
+    )
     mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     return mid_o, mid_lse
 
 
-def check_decode_layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
-                        num_splits: int) -> tuple[int, int, int]:
+def check_decode_layout(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor, num_splits: int
+) -> tuple[int, int, int]:
     """``(query heads, head dim, KV heads)`` of a decode launch; ValueError for a layout the
     decode kernels cannot run."""
     num_heads, head_dim = q.shape[1], q.shape[2]

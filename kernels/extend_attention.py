@@ -189,7 +189,10 @@ def build_extend_plan(
     if cfg.block_m % cfg.block_n:
         raise ValueError("block_m must be a multiple of block_n")
     item_req, item_m = extend_work_items(prefix_lens, extend_lens, cfg.block_m)
-    arrays = [np.asarray(a, dtype=np.int64) for a in (prefix_lens, extend_lens, token_starts, item_req, item_m)]
+    arrays = [
+        np.asarray(a, dtype=np.int64)
+        for a in (prefix_lens, extend_lens, token_starts, item_req, item_m)
+    ]
     if upload is not None:
         staged = [upload.add(a) for a in arrays]
     else:

@@ -71,7 +71,8 @@ class ForwardBatch:
     kv_pool: KVPool
     attn_backend: AttentionBackend
     upload: Upload
-    attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare(self), the runner's call
+    # filled by attn_backend.prepare(self), the runner's call
+    attn_metadata: Any = field(default=None)
     num_extra_logits: int = 0  # E
     # (flat index, slot) cells of req_to_token the device copy lacks; written by ``send``.
     table_updates: tuple[Any, Any] | None = None
@@ -145,7 +146,9 @@ class ForwardBatch:
             prefix_np - starts, extend_np
         )
         last = np.cumsum(extend_np) - 1
-        extra = np.zeros(0, dtype=np.int64) if extra_logits_indices is None else extra_logits_indices
+        extra = (
+            np.zeros(0, dtype=np.int64) if extra_logits_indices is None else extra_logits_indices
+        )
         if isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.device.type != "cpu":
             out_loc: Any = out_cache_loc.to(torch.int64)  # a caller's device tensor, as given
         else:

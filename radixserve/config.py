@@ -7,32 +7,31 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from radixserve.hardware import (  # config.cpu_bf16_feature is what resolve() reads (tests patch it)
+# config.cpu_bf16_feature is what resolve() reads (tests patch it)
+from radixserve.hardware import (
     _torch_cuda,
     cpu_bf16_feature,
     resolve_quantization,
     torch_build_has_cuda,
     torch_build_version,
 )
-from radixserve.settings.disagg import check_disaggregation
-from radixserve.settings.kv_events_config import KVEventsConfig
 
-# Weight formats of --quantization (radixserve/quantization/).
-QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
+# The settings' choices live with their checks; the package, bench/ and the tests read them here.
+from radixserve.settings.checks import (  # noqa: F401
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    REASONING_PARSERS,
+    SCHEDULE_MODES,
+    SPECULATIVE_ALGORITHMS,
+    TOOL_CALL_PARSERS,
+    check_choices_and_sizes,
+    check_features,
+    check_limits,
+)
+
 INT8_ACTIVATION_MODES = ("int4", "gguf", "int8")  # the formats --int8-activations multiplies
-
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")  # scheduler/policy.py
-SCHEDULE_MODES = ("mixed", "prefill-first")  # scheduler/scheduler.py: Scheduler.step
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # cache/kv_pool.py
-_EVICTION_POLICIES = ("lru", "lfu", "slru")  # cache/radix_tree.py
-_BACKENDS = ("auto", "torch", "triton")
-_GRAMMAR_BACKENDS = ("xgrammar", "none")
-TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "prompted")
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
 DEFAULT_MAX_RUNNING_REQUESTS = 128  # rows of the request-to-token table when unset
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
-SPECULATIVE_ALGORITHMS = ("ngram",)  # speculative/registry.py
 DEFAULT_SPECULATIVE_NUM_DRAFT_TOKENS = 8
 
 
@@ -52,11 +51,13 @@ class ServerArgs:
 
     model: str | None = setting(
         None,
-        "local HF folder (config.json + safetensors) or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+        "local HF folder (config.json + safetensors) or .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct)")
     tokenizer: str | None = setting(None, "tokenizer folder (default: the model's)")
     dtype: str = setting(
         "auto",
-        "weights and KV dtype: auto (bfloat16 on GPU and on CPUs with AMX or AVX-512 BF16, else float32), "
+        "weights and KV dtype: auto (bfloat16 on GPU and on CPUs with AMX or AVX-512 BF16, "
+        "else float32), "
         "float32, bfloat16, float16")
     device: str = setting("auto", "auto (cuda when available, else cpu), cpu or cuda")
     attention_backend: str = setting("auto", "auto (triton on GPU, torch on CPU), torch or triton")
@@ -73,9 +74,12 @@ class ServerArgs:
         "longest prefill chunk; -1 off (default: 1024 on CPU, 8192 on GPU)")
     schedule_policy: str = setting(
         "lpm",
-        "waiting-queue order: lpm (longest cached prefix first), dfs-weight (finish one tree branch "
-        "while cached), fcfs, lof (longest output first), random, priority (the request's priority)")
-    schedule_policy_max_queue: int = setting(128, "lpm and dfs-weight act as fcfs above this many waiting requests")
+        "waiting-queue order: lpm (longest cached prefix first), dfs-weight (finish one tree "
+        "branch while cached), fcfs, lof (longest output first), random, priority (the "
+        "request's priority)")
+    schedule_policy_max_queue: int = setting(
+        128,
+        "lpm and dfs-weight act as fcfs above this many waiting requests")
     schedule_mode: str = setting(
         "mixed",
         "mixed (default): each step runs the running requests' decodes together with the next "
@@ -92,7 +96,9 @@ class ServerArgs:
     radix_eviction_policy: str = setting(
         "lru",
         "prefix-cache eviction: lru, lfu, or slru (a prefix hit twice outlives one-off prompts)")
-    max_pinned_fraction: float = setting(0.5, "share of the KV pool that pinned prefixes (POST /cache/pin) may hold")
+    max_pinned_fraction: float = setting(
+        0.5,
+        "share of the KV pool that pinned prefixes (POST /cache/pin) may hold")
     preemption_mode: str = setting(
         "recompute",
         "a request retracted when the KV pool is full: recompute its KV later, or swap it to the "
@@ -114,41 +120,47 @@ class ServerArgs:
     kv_events_config: str | None = setting(
         None,
         "publish the radix tree's changes for KV-aware routers, SGLang's JSON: "
-        "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+        "\"replay_endpoint\": \"tcp://*:5558\"}' "
         "(default: off)")
     disaggregation_mode: str = setting(
         "null",
-        "prefill-decode disaggregation (smg --pd-disaggregation pairs the workers): null (this worker "
-        "prefills and decodes), prefill (computes prompts, sends their KV to the decode worker a "
-        "request names) or decode (receives a prompt's KV, then decodes)")
+        "prefill-decode disaggregation (smg --pd-disaggregation pairs the workers): null (this "
+        "worker prefills and decodes), prefill (computes prompts, sends their KV to the decode "
+        "worker a request names) or decode (receives a prompt's KV, then decodes)")
     disaggregation_bootstrap_port: int = setting(
         8998, "a prefill worker's port for its decode workers: they fetch the KV of their requests "
               "here (give it to smg after the prefill URL)")
     disaggregation_transfer_backend: str = setting(
-        "zmq", "how the KV moves from prefill to decode: zmq (TCP, between processes and hosts, CPU "
-               "or GPU) or nixl (needs the nixl package)")
+        "zmq", "how the KV moves from prefill to decode: zmq (TCP, between processes and hosts, "
+               "CPU or GPU) or nixl (needs the nixl package)")
     disaggregation_timeout: float = setting(
-        30.0, "seconds a prefill worker waits for the decode worker of a request (and a decode worker "
-              "for the KV of one) before the request fails")
+        30.0, "seconds a prefill worker waits for the decode worker of a request (and a decode "
+              "worker for the KV of one) before the request fails")
     tp_size: int = setting(
         1,
         "tensor parallelism: split the model over N processes (gloo on a CPU, NCCL over N GPUs)")
     cuda_graph_max_bs: int | None = setting(
         None,
         "largest decode batch replayed from a captured CUDA graph (default 256 on CUDA; 0: none)")
-    disable_cuda_graph: bool = setting(False, "run every decode step eagerly on CUDA (no graph capture)")
+    disable_cuda_graph: bool = setting(
+        False,
+        "run every decode step eagerly on CUDA (no graph capture)")
     load_format: str = setting(
         "auto",
         "auto (the model's weights) or dummy (random weights from its config.json, for benchmarks)")
     quantization: str = setting(
         "auto",
         "weight-only matmuls on a CPU: none; int8 (a scale and an offset per 32 weights, "
-        "~3x less weight memory than float32); int4 (blocks of 32, d*q+m, ~6x less); gguf (a .gguf model's "
+        "~3x less weight memory than float32); int4 (blocks of 32, d*q+m, ~6x less); gguf "
+        "(a .gguf model's "
         "Q4_0/Q4_1/Q8_0 tensors as stored: the weights float32 computes with); auto (gguf "
         "where the model has such tensors, else none)")
     int8_activations: bool = setting(
-        False, "decode rows through quantized weights (int4, gguf, int8) with activations quantized to int8 per 32, "
-        "as llama.cpp's Q4 x Q8 dot products: faster matmuls where the CPU has AVX-512 VNNI, not exact")
+        False,
+        "decode rows through quantized weights (int4, gguf, int8) with activations quantized to "
+        "int8 per 32, as llama.cpp's Q4 x Q8 dot products: faster matmuls where the CPU has "
+        "AVX-512 VNNI, not exact")
     speculative_algorithm: str | None = setting(
         None,
         "speculative decoding: ngram (drafts from the radix tree and the request's own "
@@ -166,7 +178,9 @@ class ServerArgs:
         None,
         "no drafts in a step with more running requests than this "
         "(default: 4 on CPU, 64 on GPU)")
-    context_length: int | None = setting(None, "longest sequence (default: the model's max_position_embeddings)")
+    context_length: int | None = setting(
+        None,
+        "longest sequence (default: the model's max_position_embeddings)")
     random_seed: int = setting(0, "seed of the seeds drawn for requests that give none")
     stream_interval: int = setting(1, "send streamed tokens every N steps")
     kv_cache_memory_fraction: float = setting(
@@ -182,7 +196,8 @@ class ServerArgs:
     port: int = setting(30000, "HTTP server port")
     served_model_name: str | None = setting(
         None,
-        "model name reported by /v1/models and accepted in requests (default: the model folder's name)")
+        "model name reported by /v1/models and accepted in requests "
+        "(default: the model folder's name)")
     max_queued_requests: int | None = setting(
         None,
         "waiting requests beyond which new ones get HTTP 503 (default: unlimited)")
@@ -198,11 +213,14 @@ class ServerArgs:
         "decode grammar-forced text token by token instead of appending it at once")
     tool_call_parser: str = setting(
         "auto",
-        "tool-call format: auto (from the chat template), hermes, qwen25, qwen3, llama3, mistral, prompted")
+        "tool-call format: auto (from the chat template), hermes, qwen25, qwen3, llama3, "
+        "mistral, prompted")
     reasoning_parser: str | None = setting(
         None,
         "split <think> output into reasoning_content: qwen3 or deepseek-r1 (default: off)")
-    max_request_body_bytes: int = setting(16 * 1024 * 1024, "HTTP request bodies larger than this get 413")
+    max_request_body_bytes: int = setting(
+        16 * 1024 * 1024,
+        "HTTP request bodies larger than this get 413")
     cors_allow_origins: str | None = setting(
         None,
         "comma-separated origins allowed by CORS, '*' for any (default: CORS off)")
@@ -210,111 +228,9 @@ class ServerArgs:
         30.0,
         "seconds a stream's reader may stay behind before the request is cut off")
     def __post_init__(self) -> None:
-        self._check_choices_and_sizes()
-        self._check_features()
-        self._check_limits()
-
-    def _check_choices_and_sizes(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.schedule_policy not in _POLICIES:
-            raise ValueError(f"schedule_policy must be one of {_POLICIES}, got {self.schedule_policy!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.schedule_mode not in SCHEDULE_MODES:
-            raise ValueError(f"schedule_mode must be one of {SCHEDULE_MODES}, got {self.schedule_mode!r}")
-        if self.radix_eviction_policy not in _EVICTION_POLICIES:
-            raise ValueError(f"radix_eviction_policy must be one of {_EVICTION_POLICIES}, "
-                             f"got {self.radix_eviction_policy!r}")
-        if self.attention_backend not in _BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
-            )
-        for name in (
-            "page_size",
-            "max_total_tokens",
-            "max_running_requests",
-            "context_length",
-            "max_queued_requests",
-            "schedule_policy_max_queue",
-        ):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_request_body_bytes < 1024:
-            raise ValueError("max_request_body_bytes must be >= 1024")
-        if self.slow_reader_timeout <= 0:
-            raise ValueError("slow_reader_timeout must be > 0")
-        if self.max_prefill_tokens < 1:
-            raise ValueError("max_prefill_tokens must be >= 1")
-        if self.chunked_prefill_size is not None and (
-            self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1
-        ):
-            raise ValueError("chunked_prefill_size must be -1 (off) or >= 1")
-
-    def _check_features(self) -> None:
-        """Tiers, tensor parallelism, quantization and speculative decoding, and how they combine."""
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        if self.host_cache_size < 0 or self.disk_cache_size < 1:
-            raise ValueError("host_cache_size must be >= 0 and disk_cache_size >= 1 (tokens)")
-        if self.disable_radix_cache and (self.host_cache_size or self.disk_cache_dir):
-            raise ValueError("host and disk KV tiers hold the prefix cache: they need it on "
-                             "(drop --disable-radix-cache)")
-        KVEventsConfig.of(self.kv_events_config)  # refused here, before the model loads
-        check_disaggregation(self)
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
-        if self.tp_size > 1 and (self.host_cache_size or self.disk_cache_dir or self.preemption_mode == "swap"):
-            raise ValueError("host and disk KV tiers and swap preemption copy KV pages that tensor "
-                             "parallelism splits over its ranks: they are not available with "
-                             "tp_size > 1")
-        if self.cuda_graph_max_bs is not None and (not isinstance(self.cuda_graph_max_bs, int)
-                                                   or self.cuda_graph_max_bs < 0):
-            raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_bs!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization not in ("none", "auto") and self.tp_size > 1:
-            raise ValueError(f"quantization: {self.quantization} weights are served by one rank (tp_size 1)")
-        if self.speculative_algorithm is not None and self.speculative_algorithm.lower() not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} "
-                             f"(or unset), got {self.speculative_algorithm!r}")
-        if self.speculative_num_draft_tokens is not None and (
-                not isinstance(self.speculative_num_draft_tokens, int) or self.speculative_num_draft_tokens < 2):
-            raise ValueError("speculative_num_draft_tokens must be an integer >= 2 (the next token and at least "
-                             f"one draft), got {self.speculative_num_draft_tokens!r}")
-        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
-            raise ValueError("speculative_ngram_min_match_window_size and speculative_ngram_max_match_window_size "
-                             f"must be integers with 1 <= min <= max, got {low!r} and {high!r}")
-        if self.speculative_disable_by_batch_size is not None and (
-                not isinstance(self.speculative_disable_by_batch_size, int) or self.speculative_disable_by_batch_size < 1):
-            raise ValueError("speculative_disable_by_batch_size must be a positive integer, "
-                             f"got {self.speculative_disable_by_batch_size!r}")
-
-    def _check_limits(self) -> None:
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if not 0 <= self.max_pinned_fraction <= 1:
-            raise ValueError("max_pinned_fraction must be in [0, 1]")
-        if not 0 < self.kv_cache_memory_fraction <= 0.95:
-            raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.stream_interval < 1:
-            raise ValueError("stream_interval must be >= 1")
-        if self.grammar_backend not in _GRAMMAR_BACKENDS:
-            raise ValueError(
-                f"grammar_backend must be one of {_GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
-            )
-        if self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
-            )
+        check_choices_and_sizes(self)  # radixserve/settings/checks.py
+        check_features(self)
+        check_limits(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
@@ -349,7 +265,9 @@ class ServerArgs:
         if backend == "auto":
             backend = "triton" if on_gpu else "torch"
         if on_gpu and self.tp_size > 1 and device != "cuda":
-            raise ValueError(f"with tp_size > 1 the device is cuda (rank r runs on cuda:r), not {device!r}")
+            raise ValueError(
+                f"with tp_size > 1 the device is cuda (rank r runs on cuda:r), not {device!r}"
+            )
         if on_gpu and self.tp_size > cuda.device_count():
             raise ValueError(f"tp_size {self.tp_size} needs as many GPUs; "
                              f"{cuda.device_count()} are visible")
@@ -368,14 +286,22 @@ class ServerArgs:
         from radixserve.checkpoint.gguf_index import gguf_source
 
         # the blocks of the .gguf behind the model (random weights have none)
-        source = gguf_source(self.model) if self.quantization in ("auto", "gguf") and self.load_format != "dummy" else None
+        source = (
+            gguf_source(self.model)
+            if self.quantization in ("auto", "gguf") and self.load_format != "dummy"
+            else None
+        )
         quantization = resolve_quantization(self.quantization, source, not on_gpu, self.tp_size)
         if quantization == "gguf" and source is None:
-            raise ValueError(f"quantization gguf serves a .gguf model's own blocks; {self.model!r} is not a "
-                             ".gguf file (int8 or int4 quantize a float checkpoint)")
+            raise ValueError(
+                f"quantization gguf serves a .gguf model's own blocks; {self.model!r} is not a "
+                ".gguf file (int8 or int4 quantize a float checkpoint)"
+            )
         if self.int8_activations and (on_gpu or quantization not in INT8_ACTIVATION_MODES):
-            raise ValueError("int8_activations multiplies quantized weights (int4, gguf, int8) on a CPU, not "
-                             f"{quantization} on {device}")
+            raise ValueError(
+                "int8_activations multiplies quantized weights (int4, gguf, int8) on a CPU, not "
+                f"{quantization} on {device}"
+            )
         return dataclasses.replace(
             self,
             device=device,

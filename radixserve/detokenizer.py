@@ -157,8 +157,9 @@ class DetokenizerLoop:
             return [m.encode(self.detok.process(msg))]
         except Exception as e:
             frames = self._fail(msg, f"internal error in the detokenizer: {e!r}")
-            logger.exception("detokenizer failed on a message; %d request(s) answered with an error",
-                             len(frames))
+            logger.exception(
+                "detokenizer failed on a message; %d request(s) answered with an error", len(frames)
+            )
             return frames
 
     def _fail(self, msg: m.TokenOut, reason: str) -> list[bytes]:

@@ -38,11 +38,16 @@ class Engine:
             info = self.procs.start()
             self.tokenizer = self.procs.tokenizer
             self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name="radixserve-engine", daemon=True
+            )
             self._thread.start()
             self.client = RuntimeClient(
                 self.procs, info, down_prefix="the engine is down: ", on_dead=self._on_dead,
-                down_note="the engine fails in-flight and later requests and stops its other processes")
+                down_note=(
+                    "the engine fails in-flight and later requests and stops its other processes"
+                ),
+            )
             self.tm = self.client.tm
             self._call(self.client.start())
         except BaseException:
@@ -57,11 +62,21 @@ class Engine:
     async def _on_dead(self, reason: str) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.procs.shutdown)
 
-    def _jobs(self, prompt: Any, sampling_params: Any, input_ids: Any, logprob_start_len: int = -1,
-              extra_key: Any = None, priority: int = 0, return_cache_report: bool = False) -> tuple[bool, list[Job]]:
+    def _jobs(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        input_ids: Any,
+        logprob_start_len: int = -1,
+        extra_key: Any = None,
+        priority: int = 0,
+        return_cache_report: bool = False,
+    ) -> tuple[bool, list[Job]]:
         """Validate every request of the call up front; ValueError names the bad one."""
-        batched, specs = split_batch(prompt, input_ids, sampling_params, extra_key, priority=priority,
-                                     cache_report=return_cache_report)
+        batched, specs = split_batch(
+            prompt, input_ids, sampling_params, extra_key, priority=priority,
+            cache_report=return_cache_report,
+        )
 
         def prepare(spec: PromptSpec) -> Any:
             return self.tm.prepare(spec.text, spec.input_ids, spec.sampling, logprob_start_len)
@@ -77,7 +92,9 @@ class Engine:
             out.add(piece)
         return out.result()
 
-    async def _generate_all(self, prepared: list[Job], lp: LogprobRequest, progress: bool) -> list[dict[str, Any]]:
+    async def _generate_all(
+        self, prepared: list[Job], lp: LogprobRequest, progress: bool
+    ) -> list[dict[str, Any]]:
         tasks = [asyncio.ensure_future(self._collect(job, lp)) for job in prepared]
         try:
             if progress:
@@ -138,7 +155,9 @@ class Engine:
         """
         batched, prepared = self._jobs(prompt, sampling_params, input_ids, logprob_start_len,
                                             extra_key, priority, return_cache_report)
-        lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
+        lp = LogprobRequest(
+            return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs
+        )
         if stream:
             if batched:
                 raise ValueError("stream=True takes a single prompt")
@@ -186,7 +205,9 @@ class Engine:
         """The asyncio variant of :meth:`generate`, usable from any event loop."""
         batched, prepared = self._jobs(prompt, sampling_params, input_ids, logprob_start_len,
                                             extra_key, priority)
-        lp = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
+        lp = LogprobRequest(
+            return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs
+        )
         if stream:
             if batched:
                 raise ValueError("stream=True takes a single prompt")
@@ -228,8 +249,11 @@ class Engine:
         from radixserve.chat.messages import ApplyChatTemplateRequest
         from radixserve.chat.render import render_without_tools, validation_message
 
-        fields: dict[str, Any] = {"messages": messages, "continue_final_message": continue_final_message,
-                                  "chat_template_kwargs": template_kwargs}
+        fields: dict[str, Any] = {
+            "messages": messages,
+            "continue_final_message": continue_final_message,
+            "chat_template_kwargs": template_kwargs,
+        }
         if not add_generation_prompt:
             fields["add_generation_prompt"] = False
         try:
@@ -258,8 +282,14 @@ class Engine:
         ids = self._prefix_ids(prompt, input_ids, messages)
         return self._call(self.tm.pin(ids, SchedulingHints(extra_key or "", pin_ttl=ttl)))
 
-    def unpin(self, pin_id: str | None = None, prompt: str | None = None, input_ids: list[int] | None = None,
-              messages: list[dict[str, Any]] | None = None, extra_key: str | None = None) -> list[str]:
+    def unpin(
+        self,
+        pin_id: str | None = None,
+        prompt: str | None = None,
+        input_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        extra_key: str | None = None,
+    ) -> list[str]:
         """Drop the pin ``pin_id``, or every pin of exactly this prefix; the dropped pins' ids."""
         if pin_id is not None:
             result = self._call(self.tm.control("unpin", pin_id=pin_id))
@@ -284,7 +314,8 @@ class Engine:
         return bool(self._call(self.tm.control("flush_cache"))["success"])
 
     def start_profile(self) -> None:
-        """Run torch.profiler in the scheduler over the steps from now until :meth:`stop_profile`."""
+        """Run torch.profiler in the scheduler over the steps from now until
+        :meth:`stop_profile`."""
         self._control_checked("start_profile")
 
     def stop_profile(self, timeout: float = PROFILE_STOP_TIMEOUT_S) -> dict[str, Any]:
@@ -318,7 +349,10 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:
-        if getattr(self, "_loop", None) is not None or getattr(self, "procs", None) and self.procs.procs:
+        if (
+            getattr(self, "_loop", None) is not None
+            or getattr(self, "procs", None) and self.procs.procs
+        ):
             self.shutdown()
 
 

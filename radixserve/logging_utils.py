@@ -1,4 +1,5 @@
-"""What the scheduler and detokenizer processes share: logging, signals, parent liveness, sockets."""
+"""What the scheduler and detokenizer processes share: logging, signals, parent liveness,
+sockets."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def exit_on_sigterm(process: str) -> None:
     as its default action would, but with a log line saying so (after the ``on_sigterm`` hooks)."""
 
     def stop(signum: int, frame: object) -> None:
-        logging.getLogger("radixserve").info("%s stops: asked to by the launcher (SIGTERM)", process)
+        logging.getLogger("radixserve").info(
+            "%s stops: asked to by the launcher (SIGTERM)", process
+        )
         for hook in _SIGTERM_HOOKS:
             try:
                 hook()
@@ -53,7 +56,8 @@ def exit_on_sigterm(process: str) -> None:
                 logging.getLogger("radixserve").exception("a shutdown hook failed")
         for handler in logging.getLogger().handlers:
             handler.flush()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # then die of it: exit code -15, as without the hook
+        # then die of it: exit code -15, as without the hook
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)

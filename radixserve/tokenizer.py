@@ -10,8 +10,15 @@ from radixserve.checkpoint.records import read_record, record_path, write_record
 # The class transformers' own tokenizer.json loader has (v5); where AutoTokenizer resolved a
 # folder to it once, later loads call it directly.
 _BACKEND_CLASS = "TokenizersBackend"
-_TOKENIZER_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json", "special_tokens_map.json",
-                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
+_TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def load_tokenizer(path: str) -> Any:

@@ -24,7 +24,9 @@ def is_text(s: str) -> bool:
     return _SURROGATE.search(s) is None
 
 
-def check_input_ids(input_ids: object, vocab_size: int, context_len: int, pool_tokens: int) -> list[int]:
+def check_input_ids(
+    input_ids: object, vocab_size: int, context_len: int, pool_tokens: int
+) -> list[int]:
     """Return the ids as a list of ints or raise ``ValueError`` saying what is wrong."""
     if not isinstance(input_ids, list | tuple) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in input_ids

@@ -18,7 +18,9 @@ def available_backends() -> list[str]:
 
 def create_backend(name: str) -> AttentionBackend:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {available_backends()}"
+        )
     module_name, cls_name = _REGISTRY[name].split(":")
     try:
         module = importlib.import_module(module_name)

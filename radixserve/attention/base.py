@@ -43,7 +43,8 @@ class AttentionBackend(ABC):
         """Build per-forward metadata once (stored in ``fb.attn_metadata``); layers reuse it.
         Only host fields may be read; device arrays are staged in ``fb.upload``."""
 
-    def finish(self, fb: ForwardBatch) -> None:  # noqa: B027 (optional hook: most backends need none)
+    # an optional hook: most backends need none
+    def finish(self, fb: ForwardBatch) -> None:  # noqa: B027
         """After the upload: derive device-side metadata from the sent arrays (device ops
         only, nothing read back)."""
 

@@ -52,7 +52,8 @@ class _DecodeChunk:
     padded: bool  # some row has fewer than L keys
     # Derived on the device once the upload is sent:
     slots: torch.Tensor | None = None  # [n * L] int64 KV slots; padding points at slot 0
-    mask: torch.Tensor | None = None  # [n, 1, 1, L] bool, True where key j < seq_len; None if no pad
+    # [n, 1, 1, L] bool, True where key j < seq_len; None if no pad
+    mask: torch.Tensor | None = None
 
     def finish(self, req_to_token: torch.Tensor) -> None:
         live = torch.arange(self.max_len, device=req_to_token.device)[None, :] < self.lens[:, None]
@@ -99,7 +100,9 @@ class _ExtendGroup:
         self.mask = (causal & live[:, None, :])[:, None]  # padded queries keep key 0: no empty rows
 
 
-def bucket_extend_rows(rows: list[int], extend_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+def bucket_extend_rows(
+    rows: list[int], extend_lens: list[int], seq_lens: list[int]
+) -> list[list[int]]:
     """Split extend rows into groups padded together, so that no group computes more than
     1.25 times the attention area (queries x keys) its rows need: a 1024-token prompt and fifteen
     48-token questions in one step must not pad every question to 1024 queries."""
@@ -152,7 +155,9 @@ class GatherPath:
         fb.attn_metadata = TorchAttentionMetadata(
             decode=decode,
             extend=extend,
-            single_group=(decode is None and len(extend) == 1) or (decode is not None and not extend),
+            single_group=(
+                (decode is None and len(extend) == 1) or (decode is not None and not extend)
+            ),
         )
 
     def finish(self, fb: ForwardBatch) -> None:
@@ -191,7 +196,9 @@ class GatherPath:
                 max_len=n_len,
                 padded=min(lens) != n_len,
             ))
-        return _DecodeGroup(token_idx=upload.add([starts[b] for b in rows]), chunks=chunks, shared=shared)
+        return _DecodeGroup(
+            token_idx=upload.add([starts[b] for b in rows]), chunks=chunks, shared=shared
+        )
 
     def _plan_extend(
         self, fb: ForwardBatch, rows: list[int], starts: list[int], seq_lens: list[int]

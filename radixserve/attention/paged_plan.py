@@ -63,12 +63,19 @@ def _token_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + offsets
 
 
-def _row_entries(num_tokens: int, own_first: int, num_entries: int, chunk_entry_rows: list[np.ndarray],
-                 shared_entry_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _row_entries(
+    num_tokens: int,
+    own_first: int,
+    num_entries: int,
+    chunk_entry_rows: list[np.ndarray],
+    shared_entry_of_row: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """Each query row's entries, CSR: its own entry, its chunks' entries, then its shared entry."""
     own = np.arange(own_first, own_first + num_tokens, dtype=np.int64)
     chunk_ids = np.arange(own_first + num_tokens, num_entries, dtype=np.int64)
-    chunk_rows = np.concatenate(chunk_entry_rows) if chunk_entry_rows else np.zeros(0, dtype=np.int64)
+    chunk_rows = (
+        np.concatenate(chunk_entry_rows) if chunk_entry_rows else np.zeros(0, dtype=np.int64)
+    )
     in_group = shared_entry_of_row >= 0
     listed = np.concatenate([own, chunk_ids, shared_entry_of_row[in_group]])
     listed_rows = np.concatenate([np.arange(num_tokens, dtype=np.int64), chunk_rows,
@@ -91,10 +98,19 @@ def _lone_request_plan(row: int, pre: int, ext: int) -> KernelPlan:
     entry_limit = [pre + t + 1 for t in tokens] + [hi for hi in bounds[1:] for _ in tokens]
     # each token's own entry, then its entry in each part
     row_entries = [t + p * ext for t in tokens for p in range(1 + parts)]
-    fields = ([row] * (1 + parts), [pre if split else 0] + bounds[:-1], [ext * j for j in range(2 + parts)],
-              entry_row, entry_limit, [(1 + parts) * t for t in range(ext + 1)], row_entries)
+    fields = (
+        [row] * (1 + parts),
+        [pre if split else 0] + bounds[:-1],
+        [ext * j for j in range(2 + parts)],
+        entry_row,
+        entry_limit,
+        [(1 + parts) * t for t in range(ext + 1)],
+        row_entries,
+    )
     # one tensor, split into the seven (views of it: contiguous, as the kernel reads them)
-    views = torch.tensor([v for f in fields for v in f], dtype=torch.int64).split([len(f) for f in fields])
+    views = torch.tensor([v for f in fields for v in f], dtype=torch.int64).split(
+        [len(f) for f in fields]
+    )
     return KernelPlan(*views, shared_groups=0)
 
 
@@ -136,12 +152,18 @@ def _batch_plan(table: np.ndarray, rows: list[int], prefix_lens: list[int], exte
     # of it, which every new token of the request sees whole (entry limit = the chunk's end).
     own_first = num_entries
     own_begin = shared_len.copy()
-    split = (pre - shared_len >= SPLIT_MIN_KEYS) & (ext <= SPLIT_MAX_NEW_TOKENS) & (len(rows) <= SPLIT_MAX_REQUESTS)
+    split = (
+        (pre - shared_len >= SPLIT_MIN_KEYS)
+        & (ext <= SPLIT_MAX_NEW_TOKENS)
+        & (len(rows) <= SPLIT_MAX_REQUESTS)
+    )
     chunk_jobs: list[tuple[int, int, int]] = []  # (request, first key column, end)
     for b in np.flatnonzero(split):
         bounds = np.linspace(shared_len[b], pre[b], SPLIT_PARTS + 1).astype(np.int64)
         own_begin[b] = pre[b]  # the own job keeps the new tokens (causal)
-        chunk_jobs += [(int(b), int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        chunk_jobs += [
+            (int(b), int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
     job_row.extend(rows_np.tolist())
     job_begin.extend(own_begin.tolist())
     job_sizes.extend(ext.tolist())
@@ -160,7 +182,9 @@ def _batch_plan(table: np.ndarray, rows: list[int], prefix_lens: list[int], exte
         chunk_entry_rows.append(tokens)
         num_entries += len(tokens)
 
-    row_ptr, row_entries = _row_entries(num_tokens, own_first, num_entries, chunk_entry_rows, shared_entry_of_row)
+    row_ptr, row_entries = _row_entries(
+        num_tokens, own_first, num_entries, chunk_entry_rows, shared_entry_of_row
+    )
     job_ptr = np.zeros(len(job_sizes) + 1, dtype=np.int64)
     np.cumsum(job_sizes, out=job_ptr[1:])
     as_t = torch.from_numpy

@@ -60,7 +60,9 @@ class SharedPrefixDecode:
         ar = torch.arange(lu, device=req_to_token.device)
         # Suffix of row b: table columns [Ls_b, seq_len_b), padded to Lu with slot 0.
         live = ar[None, :] < self.suffix_lens[:, None]  # [R, Lu]
-        col = torch.where(live, self.suffix_starts[:, None] + ar[None, :], 0).clamp_(max=req_to_token.shape[1] - 1)
+        col = torch.where(live, self.suffix_starts[:, None] + ar[None, :], 0).clamp_(
+            max=req_to_token.shape[1] - 1
+        )
         table = req_to_token.index_select(0, self.table_rows)
         self.suffix_slots = torch.where(live, table.gather(1, col).to(torch.int64), 0).reshape(-1)
         self.suffix_live = live[:, None, None, :]

@@ -50,7 +50,9 @@ class TorchAttentionBackend(AttentionBackend):
         if not self._kernel_fits(fb):
             self._gather.plan(fb)
             return
-        fb.attn_metadata = build_plan(fb.table_host, fb.rows_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu)
+        fb.attn_metadata = build_plan(
+            fb.table_host, fb.rows_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu
+        )
 
     def finish(self, fb: ForwardBatch) -> None:
         if not isinstance(fb.attn_metadata, KernelPlan):
@@ -69,14 +71,25 @@ class TorchAttentionBackend(AttentionBackend):
         k_pool, v_pool = pool.get_kv(layer.layer_id)
         native = self._kernel is not None and fb.device.type == "cpu"
         if native and pool.quantized:
-            self._kernel.store_kv_quant(k, v, k_pool, v_pool, _or_empty(k_scale), _or_empty(v_scale),
-                                        fb.out_cache_loc, pool.rotated)
+            self._kernel.store_kv_quant(
+                k,
+                v,
+                k_pool,
+                v_pool,
+                _or_empty(k_scale),
+                _or_empty(v_scale),
+                fb.out_cache_loc,
+                pool.rotated,
+            )
         elif native and k.dtype == k_pool.dtype:
             self._kernel.store_kv(k, v, k_pool, v_pool, fb.out_cache_loc)
         else:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         plan = fb.attn_metadata
-        if isinstance(plan, KernelPlan) and layer.num_heads // layer.num_kv_heads > KERNEL_MAX_GROUP:
+        if (
+            isinstance(plan, KernelPlan)
+            and layer.num_heads // layer.num_kv_heads > KERNEL_MAX_GROUP
+        ):
             # A model the kernel was not built for: this forward gathers (on the CPU, where
             # staged arrays are tensors at once).
             self._gather.plan(fb)

@@ -42,7 +42,11 @@ from radixserve.kernels.decode_attention import (  # noqa: E402
     decode_config,
     decode_num_splits,
 )
-from radixserve.kernels.extend_attention import ExtendPlan, build_extend_plan, extend_attention  # noqa: E402
+from radixserve.kernels.extend_attention import (  # noqa: E402
+    ExtendPlan,
+    build_extend_plan,
+    extend_attention,
+)
 from radixserve.kernels.kv_store import store_kv  # noqa: E402
 from radixserve.kernels.shared_prefix_decode import (  # noqa: E402
     CascadeHostPlan,
@@ -168,7 +172,9 @@ class TritonAttentionBackend(AttentionBackend):
         saved_keys = int((plan.tile_len.astype(np.int64) * (members - 1)).sum())
         pool = fb.kv_pool
         key_bytes = pool.bytes_per_token
-        return saved_keys * key_bytes / DEVICE_BYTES_PER_S < pool.num_layers * GRAPH_SAVES_S_PER_LAYER
+        return (
+            saved_keys * key_bytes / DEVICE_BYTES_PER_S < pool.num_layers * GRAPH_SAVES_S_PER_LAYER
+        )
 
     def graph_plan(self, table_rows: torch.Tensor, seq_lens: torch.Tensor, token_idx: torch.Tensor,
                    layer: AttentionLayerInfo, kv_pool: KVPool, max_context_len: int

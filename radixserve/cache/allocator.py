@@ -52,7 +52,9 @@ class PageAllocator:
             return
         slots = np.asarray(slots, dtype=np.int64)
         if len(slots) % self.page_size or slots[0] % self.page_size:
-            raise RuntimeError(f"free of {len(slots)} slots starting at {slots[0]} is not page aligned")
+            raise RuntimeError(
+                f"free of {len(slots)} slots starting at {slots[0]} is not page aligned"
+            )
         pages = slots[:: self.page_size] // self.page_size
         if (pages <= 0).any() or self._is_free[pages].any() or len(np.unique(pages)) != len(pages):
             raise RuntimeError(f"double free or invalid page among {pages.tolist()[:16]}")

@@ -85,7 +85,9 @@ class KVEventRecorder:
         if parent is not None and parent.parent is not None:
             parent_hash = block_hash(self._digests(parent)[-1])
         hashes = [block_hash(d) for d in self._digests(node)]
-        self.stored_pages(hashes, parent_hash, node.key.tolist(), tier or node.tier, self._salt(node))
+        self.stored_pages(
+            hashes, parent_hash, node.key.tolist(), tier or node.tier, self._salt(node)
+        )
 
     def removed(self, node: TreeNode, tier: str | None = None) -> None:
         if self.enabled:
@@ -102,9 +104,15 @@ class KVEventRecorder:
             tail["block_hashes"].extend(hashes)
             tail["token_ids"].extend(tokens)
             return
-        event: dict[str, Any] = {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent_hash,
-                                 "token_ids": list(tokens), "block_size": self.page_size, "lora_id": None,
-                                 "medium": medium}
+        event: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": list(hashes),
+            "parent_block_hash": parent_hash,
+            "token_ids": list(tokens),
+            "block_size": self.page_size,
+            "lora_id": None,
+            "medium": medium,
+        }
         if salt:
             event["cache_salt"] = salt
         self._queue.append(event)
@@ -116,7 +124,9 @@ class KVEventRecorder:
         if tail is not None and tail["type"] == "BlockRemoved" and tail["medium"] == medium:
             tail["block_hashes"].extend(hashes)
         elif hashes:
-            self._queue.append({"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium})
+            self._queue.append(
+                {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+            )
 
     def page_hashes(self, tokens: np.ndarray, namespace: str) -> list[int]:
         """The hashes of the whole pages of a prompt of ``namespace`` (from position 0)."""
@@ -162,7 +172,9 @@ class KVEventRecorder:
             parent = node.parent
             prior = None
             if parent is not None:
-                above = self._digests(parent) if parent.parent is not None else (parent.digests or [])
+                above = (
+                    self._digests(parent) if parent.parent is not None else (parent.digests or [])
+                )
                 prior = above[-1] if above else None
             node.digests = page_digests(node.key, self.page_size, prior)
         return node.digests

@@ -39,7 +39,9 @@ INT8_SCALE_DTYPE = torch.float16
 def kv_store_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     """The element type of a pool for a model computing in ``dtype``."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
     return _STORE_DTYPES.get(kv_cache_dtype, dtype)
 
 
@@ -120,14 +122,22 @@ class KVPool:
         self.rotated = self.store_dtype != dtype and head_dim & (head_dim - 1) == 0
         self.device = torch.device(device)
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [self._buffer(shape, self.store_dtype, pin_memory) for _ in range(num_layers)]
-        self.v_buffers = [self._buffer(shape, self.store_dtype, pin_memory) for _ in range(num_layers)]
+        self.k_buffers = [
+            self._buffer(shape, self.store_dtype, pin_memory) for _ in range(num_layers)
+        ]
+        self.v_buffers = [
+            self._buffer(shape, self.store_dtype, pin_memory) for _ in range(num_layers)
+        ]
         self.k_scales: list[torch.Tensor] = []
         self.v_scales: list[torch.Tensor] = []
         if self.quantized_int8:
             scale_shape = (num_slots, num_kv_heads)
-            self.k_scales = [self._buffer(scale_shape, INT8_SCALE_DTYPE, pin_memory) for _ in range(num_layers)]
-            self.v_scales = [self._buffer(scale_shape, INT8_SCALE_DTYPE, pin_memory) for _ in range(num_layers)]
+            self.k_scales = [
+                self._buffer(scale_shape, INT8_SCALE_DTYPE, pin_memory) for _ in range(num_layers)
+            ]
+            self.v_scales = [
+                self._buffer(scale_shape, INT8_SCALE_DTYPE, pin_memory) for _ in range(num_layers)
+            ]
 
     @property
     def quantized_int8(self) -> bool:
@@ -141,9 +151,9 @@ class KVPool:
         """One layer's K or V (or their scales).  A slot is written before any kernel reads it,
         except the padding slots of page 0, which are zeroed.  On a CPU the rest is left as
         allocated: the OS maps pages on first touch, so a pool sized for all free memory costs
-        nothing until used (zeroing gigabytes would take seconds of every start).  pin_memory: a host tier in
-        page-locked memory, so that copies to a GPU are asynchronous (pinning touches every
-        page anyway)."""
+        nothing until used (zeroing gigabytes would take seconds of every start).  pin_memory: a
+        host tier in page-locked memory, so that copies to a GPU are asynchronous (pinning
+        touches every page anyway)."""
         if self.device.type != "cpu" or pin_memory:
             return torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
         buf = torch.empty(shape, dtype=dtype)
@@ -179,7 +189,10 @@ class KVPool:
         ``k_out`` / ``v_out`` when given): a gathered copy for the pure-torch attention,
         dequantized and turned back from the rotated basis."""
         outs = []
-        for buf, scales, out in ((self.k_buffers, self.k_scales, k_out), (self.v_buffers, self.v_scales, v_out)):
+        for buf, scales, out in (
+            (self.k_buffers, self.k_scales, k_out),
+            (self.v_buffers, self.v_scales, v_out),
+        ):
             if not self.quantized:
                 outs.append(torch.index_select(buf[layer_id], 0, slots, out=out) if out is not None
                             else buf[layer_id].index_select(0, slots))
@@ -205,9 +218,15 @@ class KVPool:
         """Layer ``layer``'s K tensors and V tensors (values, then scales for int8); fp8 values
         as bytes (torch's index copies have no fp8 kernels)."""
         if self.quantized_int8:
-            return ((self.k_buffers[layer], self.k_scales[layer]), (self.v_buffers[layer], self.v_scales[layer]))
+            return (
+                (self.k_buffers[layer], self.k_scales[layer]),
+                (self.v_buffers[layer], self.v_scales[layer]),
+            )
         if self.quantized:
-            return (self.k_buffers[layer].view(torch.uint8),), (self.v_buffers[layer].view(torch.uint8),)
+            return (
+                (self.k_buffers[layer].view(torch.uint8),),
+                (self.v_buffers[layer].view(torch.uint8),),
+            )
         return (self.k_buffers[layer],), (self.v_buffers[layer],)
 
     def gather(self, slots: np.ndarray) -> torch.Tensor:
@@ -215,7 +234,9 @@ class KVPool:
         uint8 on this pool's device (a copy): a slot's row is its values, then its int8 scales."""
         idx = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device)
         n = len(idx)
-        out = torch.empty((2, self.num_layers, n, self.slot_bytes), dtype=torch.uint8, device=self.device)
+        out = torch.empty(
+            (2, self.num_layers, n, self.slot_bytes), dtype=torch.uint8, device=self.device
+        )
         for layer in range(self.num_layers):
             for side, planes in enumerate(self._planes(layer)):
                 col = 0
@@ -244,12 +265,18 @@ def copy_slots(src: KVPool, src_slots: np.ndarray, dst: KVPool, dst_slots: np.nd
     """Copy the K/V of ``src_slots`` in ``src`` to ``dst_slots`` in ``dst`` (every layer; the
     pools store the same element type)."""
     if len(src_slots) != len(dst_slots):
-        raise ValueError(f"copy_slots: {len(src_slots)} source slots, {len(dst_slots)} destination slots")
+        raise ValueError(
+            f"copy_slots: {len(src_slots)} source slots, {len(dst_slots)} destination slots"
+        )
     if src.store_dtype != dst.store_dtype:
-        raise ValueError(f"copy_slots: a {src.kv_cache_dtype} pool copied into a {dst.kv_cache_dtype} pool")
+        raise ValueError(
+            f"copy_slots: a {src.kv_cache_dtype} pool copied into a {dst.kv_cache_dtype} pool"
+        )
     src_idx = torch.from_numpy(np.asarray(src_slots, dtype=np.int64)).to(src.device)
     dst_idx = torch.from_numpy(np.asarray(dst_slots, dtype=np.int64)).to(dst.device)
     for layer in range(src.num_layers):
         for s_planes, d_planes in zip(src._planes(layer), dst._planes(layer), strict=True):
             for s_buf, d_buf in zip(s_planes, d_planes, strict=True):
-                d_buf.index_copy_(0, dst_idx, s_buf.index_select(0, src_idx).to(dst.device, non_blocking=True))
+                d_buf.index_copy_(
+                    0, dst_idx, s_buf.index_select(0, src_idx).to(dst.device, non_blocking=True)
+                )

@@ -15,7 +15,8 @@ Eviction pops the unlocked, unpinned device leaf of lowest priority (``cache/evi
 the policies ``lru``, ``lfu``, ``slru`` and the lazy-deletion heaps).
 
 Pins (:meth:`pin`) hold a node's path like a lock that no request owns; ``pin_ref`` counts
-them per node so that the pinned size is known (the scheduler caps it).
+them per node so that the pinned size is known (the scheduler caps it).  The lock and pin
+counting is ``tree_locks.py``'s.
 
 Tiers: every node's ``value`` holds slots of exactly one tier, ``tier``: ``DEVICE`` (the KV
 pool the model reads) or ``HOST`` (the host pool of ``cache/tiers``).  Device nodes form the
@@ -39,11 +40,12 @@ import numpy as np
 from radixserve.cache import tree_node as tn
 from radixserve.cache.eviction import LeafHeap, priority_function
 from radixserve.cache.kv_events import KVEventRecorder
+from radixserve.cache.tree_locks import TreeLocks
 from radixserve.cache.tree_node import DEVICE, HOST, MatchResult, TreeNode
 from radixserve.cache.tree_tiers import TierMoves
 
 
-class RadixCache(TierMoves):
+class RadixCache(TierMoves, TreeLocks):
     """Prefix cache over KV slots. Single-threaded: the scheduler owns it."""
 
     def __init__(
@@ -200,7 +202,8 @@ class RadixCache(TierMoves):
                 # The run [pos, pos + avail) of the key overlaps the child; find where they part.
                 avail = min(child_len, n_tokens - pos)
                 common = tn.common_len(
-                    key_bytes[start : start + avail * tn.ITEM_BYTES], child.key_bytes[: avail * tn.ITEM_BYTES]
+                    key_bytes[start : start + avail * tn.ITEM_BYTES],
+                    child.key_bytes[: avail * tn.ITEM_BYTES],
                 )
                 matched = common - common % self.page_size  # >= 1 page: the first page matched
                 child = self._split(child, matched)
@@ -239,10 +242,16 @@ class RadixCache(TierMoves):
         if not on_device:
             return MatchResult(tn.EMPTY_SLOTS, node, host_nodes)
         # Always a fresh array: the caller may write into it without touching the tree.
-        slots = path[0].value.copy() if on_device == 1 else np.concatenate([n.value for n in path[:on_device]])
+        slots = (
+            path[0].value.copy()
+            if on_device == 1
+            else np.concatenate([n.value for n in path[:on_device]])
+        )
         return MatchResult(slots, node, host_nodes)
 
-    def insert(self, key: Sequence[int], slots: np.ndarray, namespace: str = "", tier: str = DEVICE) -> int:
+    def insert(
+        self, key: Sequence[int], slots: np.ndarray, namespace: str = "", tier: str = DEVICE
+    ) -> int:
         """Cache the page-aligned part of ``key`` with ``slots``; return the already-cached length.
 
         With ``aligned = len(key) // page_size * page_size`` and ``cached`` the return value:
@@ -270,7 +279,10 @@ class RadixCache(TierMoves):
             self._adopt(upper, np.array(slots[cached : cached + len(upper.value)], dtype=np.int64))
         if walked < aligned:
             leaf = TreeNode(
-                node, key_bytes[walked * tn.ITEM_BYTES :], np.array(slots[walked:aligned], dtype=np.int64), tier
+                node,
+                key_bytes[walked * tn.ITEM_BYTES :],
+                np.array(slots[walked:aligned], dtype=np.int64),
+                tier,
             )
             leaf.last_access = self._clock
             node.children[self.child_key(leaf.key_bytes, 0)] = leaf
@@ -285,63 +297,7 @@ class RadixCache(TierMoves):
         self._push_if_evictable(node)
         return cached
 
-    # ------------------------------------------------------------------ locks and eviction
-
-    def record_hit(self, node: TreeNode) -> None:
-        """An admission reused the path ending at ``node``: count a hit on each of its nodes."""
-        start = node
-        while node.parent is not None:
-            node.hits += 1
-            node = node.parent
-        self._push_if_evictable(start)
-
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        """Hold ``node`` and its ancestors (not the root) against eviction."""
-        while node.parent is not None:
-            if node.lock_ref == 0 and node.tier == DEVICE:
-                self._evictable -= len(node.value)
-                self._protected += len(node.value)
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
-
-    def dec_lock_ref(self, node: TreeNode) -> None:
-        """Undo one ``inc_lock_ref(node)``; a path that drops to zero becomes evictable."""
-        if node.parent is not None and node.lock_ref <= 0:
-            raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
-        start = node
-        while node.parent is not None:
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"lock_ref of ancestor {node!r} would go negative")
-            node.lock_ref -= 1
-            if node.lock_ref == 0 and node.tier == DEVICE:
-                self._protected -= len(node.value)
-                self._evictable += len(node.value)
-            node = node.parent  # type: ignore[assignment]
-        self._push_if_evictable(start)
-        while start.tier == HOST and start.parent is not None:  # and the device leaf above it
-            start = start.parent
-            self._push_if_evictable(start)
-
-    def pin(self, node: TreeNode) -> None:
-        """Keep the path ending at ``node`` in the tree until :meth:`unpin`."""
-        self.inc_lock_ref(node)
-        while node.parent is not None:
-            if node.pin_ref == 0:
-                self._pinned += len(node.value)
-            node.pin_ref += 1
-            node = node.parent
-
-    def unpin(self, node: TreeNode) -> None:
-        """Undo one :meth:`pin` of ``node``."""
-        walk = node
-        while walk.parent is not None:
-            if walk.pin_ref <= 0:
-                raise RuntimeError(f"unpin of unpinned {walk!r}")
-            walk.pin_ref -= 1
-            if walk.pin_ref == 0:
-                self._pinned -= len(walk.value)
-            walk = walk.parent
-        self.dec_lock_ref(node)
+    # ------------------------------------------------------------------ eviction
 
     def evict(self, num_tokens: int) -> int:
         """Take at least ``num_tokens`` (if possible) off the device from unlocked device
@@ -378,7 +334,8 @@ class RadixCache(TierMoves):
             n.parent = None  # marks every remaining heap entry of this node stale
             self._num_nodes -= 1
         if parent.parent is None and not parent.children and parent is not self.root:
-            self._roots = {k: r for k, r in self._roots.items() if r is not parent}  # emptied namespace
+            # emptied namespace
+            self._roots = {k: r for k, r in self._roots.items() if r is not parent}
             self.events.forget_root(parent)
         self._push_if_evictable(parent)
 

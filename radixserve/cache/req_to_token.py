@@ -16,7 +16,9 @@ import torch
 class ReqToTokenPool:
     """``host[row, i]`` is the KV slot of token ``i`` of the request that holds ``row``."""
 
-    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu"
+    ) -> None:
         self.max_requests = max_requests
         self.max_context_len = max_context_len
         self.host = np.zeros((max_requests, max_context_len), dtype=np.int32)
@@ -25,7 +27,9 @@ class ReqToTokenPool:
         if self.shared:
             self.table = torch.from_numpy(self.host)
         else:
-            self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int32, device=device)
+            self.table = torch.zeros(
+                (max_requests, max_context_len), dtype=torch.int32, device=device
+            )
         # Columns [0, _synced[row]) of the device row equal the host row.
         self._synced = np.zeros(max_requests, dtype=np.int64)
         self._free_rows = list(range(max_requests - 1, -1, -1))
@@ -56,10 +60,15 @@ class ReqToTokenPool:
         self.host[row, start : start + len(slots)] = slots
         self._synced[row] = min(self._synced[row], start)
 
-    def write_runs(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray) -> None:
+    def write_runs(
+        self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray
+    ) -> None:
         """Run ``i`` writes ``slots`` (consumed in order) to ``host[rows[i], starts[i] :
         starts[i] + counts[i]]``: one indexing op for a whole decode step's new pages."""
-        offsets = np.arange(len(slots), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        offsets = (
+            np.arange(len(slots), dtype=np.int64)
+            - np.repeat(np.cumsum(counts) - counts, counts)
+        )
         self.host[np.repeat(rows, counts), np.repeat(starts, counts) + offsets] = slots
         np.minimum.at(self._synced, rows, starts)
 
@@ -68,7 +77,9 @@ class ReqToTokenPool:
         return self.host[row, start:end].astype(np.int64)
 
     # ---- the device copy ---------------------------------------------------------------
-    def sync_updates(self, rows: list[int], ends: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+    def sync_updates(
+        self, rows: list[int], ends: list[int]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """The cells the device copy lacks for ``host[rows[i], :ends[i]]``: ``(flat index into
         the table, slot)``, for the forward's upload (``ForwardBatch.send`` writes them into
         ``table``).  None when the device copy is the host array or already up to date.  Marks
@@ -81,7 +92,10 @@ class ReqToTokenPool:
         counts = np.maximum(ends_np - starts, 0)
         if not counts.any():
             return None
-        offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        offsets = (
+            np.arange(int(counts.sum()), dtype=np.int64)
+            - np.repeat(np.cumsum(counts) - counts, counts)
+        )
         cols = np.repeat(starts, counts) + offsets
         flat_rows = np.repeat(rows_np, counts)
         np.maximum.at(self._synced, rows_np, ends_np)

@@ -19,7 +19,13 @@ def check_tree(tree: RadixCache) -> None:
         raise RuntimeError(f"RadixCache invariant violated: {msg}")
 
     for root in tree._roots.values():
-        if root.key_bytes or len(root.value) or root.lock_ref or root.pin_ref or root.parent is not None:
+        if (
+            root.key_bytes
+            or len(root.value)
+            or root.lock_ref
+            or root.pin_ref
+            or root.parent is not None
+        ):
             fail("a root must have an empty key, no value, no lock and no parent")
     evictable = protected = pinned = host = 0
     nodes = tree._nodes()
@@ -32,13 +38,16 @@ def check_tree(tree: RadixCache) -> None:
             fail(f"{node!r} has length {n}, not a positive multiple of {tree.page_size}")
         if len(node.key_bytes) != n * ITEM_BYTES or node.value.dtype != np.int64:
             fail(
-                f"{node!r} key/value mismatch (key bytes {len(node.key_bytes)}, dtype {node.value.dtype})"
+                f"{node!r} key/value mismatch (key bytes {len(node.key_bytes)}, "
+                f"dtype {node.value.dtype})"
             )
         if parent.children.get(tree.child_key(node.key_bytes, 0)) is not node:
             fail(f"{node!r} is not stored under its first page in its parent")
         if node.lock_ref < 0 or not 0 <= node.pin_ref <= node.lock_ref:
             fail(f"{node!r} has a negative lock_ref or pin_ref, or more pins than locks")
-        if parent.parent is not None and (parent.lock_ref < node.lock_ref or parent.pin_ref < node.pin_ref):
+        if parent.parent is not None and (
+            parent.lock_ref < node.lock_ref or parent.pin_ref < node.pin_ref
+        ):
             fail(f"{parent!r} has a smaller lock_ref or pin_ref than its child {node!r}")
         if node.tier not in (DEVICE, HOST):
             fail(f"{node!r} has an unknown tier")

@@ -27,7 +27,9 @@ class TreeNode:
     __slots__ = ("children", "parent", "key_bytes", "value", "lock_ref", "pin_ref", "last_access",
                  "hits", "id", "tier", "touched", "digests")
 
-    def __init__(self, parent: TreeNode | None, key_bytes: bytes, value: np.ndarray, tier: str = DEVICE) -> None:
+    def __init__(
+        self, parent: TreeNode | None, key_bytes: bytes, value: np.ndarray, tier: str = DEVICE
+    ) -> None:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.key_bytes = key_bytes  # packed int64 token ids

@@ -52,7 +52,11 @@ class TierMoves:
         """Move host ``node`` to the device: it now holds ``device_slots``, into which the
         caller copied its KV.  Its parent must be on the device already (promote top down)."""
         parent = node.parent
-        if node.tier != HOST or parent is None or (parent.parent is not None and parent.tier != DEVICE):
+        if (
+            node.tier != HOST
+            or parent is None
+            or (parent.parent is not None and parent.tier != DEVICE)
+        ):
             raise RuntimeError(f"promote of {node!r}: not a host node below the device part")
         if len(device_slots) != len(node.value):
             raise ValueError(f"promote: {len(device_slots)} slots for {len(node.value)} tokens")

@@ -20,8 +20,10 @@ _ID_STRUCTS = {k: struct.Struct(f"{k}q") for k in range(1, 64)}
 SORTS = ("weight", "tokens")
 # One row per prefix (rows are cheaper to build than dicts: the scheduler builds, the front end
 # expands).  ``start``: tokens of the prefix before the node's run; ``locks``: running requests.
-FIELDS = ("id", "parent", "depth", "start", "tokens", "prefix_tokens", "subtree_tokens", "hits", "weight",
-          "last_access_age_s", "locks", "pinned", "tier", "children", "salted", "head_ids", "tail_ids")  # tokens x hits of the node's own run; tokens held by its subtree
+# ``weight``: tokens x hits of the node's own run; ``subtree_tokens``: tokens held by its subtree.
+FIELDS = ("id", "parent", "depth", "start", "tokens", "prefix_tokens", "subtree_tokens", "hits",
+          "weight", "last_access_age_s", "locks", "pinned", "tier", "children", "salted",
+          "head_ids", "tail_ids")
 EDGE_IDS = 12  # token ids shown at each end of a node's run
 # A request "nearly" hit when its match stopped after at least NEAR_MISS_MIN_MATCHED tokens
 # inside a cached sequence that goes on for at least NEAR_MISS_MIN_AFTER more.
@@ -71,12 +73,27 @@ def summary_rows(tree: RadixCache, sort: str = "weight", depth: int | None = Non
         n = len(node.value)
         kb = node.key_bytes
         parent = node.parent
-        rows.append((
-            node.id, parent.id if parent is not None and parent.parent is not None else None, d, start, n,
-            start + n, held[node.id], node.hits, n * node.hits, max(0.0, now - node.touched),
-            node.lock_ref - node.pin_ref, node.pin_ref > 0, node.tier, len(node.children), bool(namespace),
-            _ids(kb, 0, min(n, EDGE_IDS)), _ids(kb, n - EDGE_IDS, EDGE_IDS) if n > EDGE_IDS else (),
-        ))
+        rows.append(
+            (
+                node.id,
+                parent.id if parent is not None and parent.parent is not None else None,
+                d,
+                start,
+                n,
+                start + n,
+                held[node.id],
+                node.hits,
+                n * node.hits,
+                max(0.0, now - node.touched),
+                node.lock_ref - node.pin_ref,
+                node.pin_ref > 0,
+                node.tier,
+                len(node.children),
+                bool(namespace),
+                _ids(kb, 0, min(n, EDGE_IDS)),
+                _ids(kb, n - EDGE_IDS, EDGE_IDS) if n > EDGE_IDS else (),
+            )
+        )
     return {
         "sort": sort,
         "nodes": len(order),
@@ -99,7 +116,9 @@ def expand(view: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summary(tree: RadixCache, sort: str = "weight", depth: int | None = None, limit: int = 50) -> dict[str, Any]:
+def summary(
+    tree: RadixCache, sort: str = "weight", depth: int | None = None, limit: int = 50
+) -> dict[str, Any]:
     """:func:`summary_rows`, one dict per prefix."""
     return expand(summary_rows(tree, sort, depth, limit))
 
@@ -126,11 +145,19 @@ class Divergence:
                 and self.cached_after >= NEAR_MISS_MIN_AFTER)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "before_ids": self.before_ids, "request_ids": self.request_ids,
-                "cached_ids": self.cached_ids, "cached_after": self.cached_after, "near_miss": self.near_miss}
+        return {
+            "position": self.position,
+            "before_ids": self.before_ids,
+            "request_ids": self.request_ids,
+            "cached_ids": self.cached_ids,
+            "cached_after": self.cached_after,
+            "near_miss": self.near_miss,
+        }
 
 
-def divergence(node: TreeNode, position: int, tokens: Any, inside_run: bool, show: int = EDGE_IDS) -> Divergence:
+def divergence(
+    node: TreeNode, position: int, tokens: Any, inside_run: bool, show: int = EDGE_IDS
+) -> Divergence:
     """The request (``tokens``, all of its ids) matched ``position`` tokens, ending at
     ``node``: its next ids and those of the longest cached sequence below ``node``."""
     cached: list[int] = []
@@ -141,5 +168,11 @@ def divergence(node: TreeNode, position: int, tokens: Any, inside_run: bool, sho
         if len(cached) < show:
             cached += walk.key[: show - len(cached)].tolist()
         after += len(walk.value)
-    return Divergence(position, [int(t) for t in tokens[max(0, position - show) : position]],
-                      [int(t) for t in tokens[position : position + show]], cached, after, inside_run)
+    return Divergence(
+        position,
+        [int(t) for t in tokens[max(0, position - show) : position]],
+        [int(t) for t in tokens[position : position + show]],
+        cached,
+        after,
+        inside_run,
+    )

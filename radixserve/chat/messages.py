@@ -22,8 +22,13 @@ class ContentPart(Body):
 
     @model_validator(mode="after")
     def _payload(self) -> ContentPart:
-        if (self.text is None) != (self.type == "refusal") or (self.refusal is None) != (self.type == "text"):
-            raise reject(self.type, f"a {self.type} part needs '{self.type}' (a string) and no other payload")
+        if (
+            (self.text is None) != (self.type == "refusal")
+            or (self.refusal is None) != (self.type == "text")
+        ):
+            raise reject(
+                self.type, f"a {self.type} part needs '{self.type}' (a string) and no other payload"
+            )
         return self
 
     @property
@@ -83,9 +88,15 @@ class ChatMessage(Body):
             raise reject("name", "a function message needs the function's name")
         if self.function_call is not None:
             if self.tool_calls:
-                raise reject("function_call", "give tool_calls or the deprecated function_call, not both")
-            self.tool_calls = [ToolCall(id=f"call_{self.function_call.name}", function=self.function_call)]
-        if self.content is None and not (self.tool_calls or self.refusal or self.role == "function"):
+                raise reject(
+                    "function_call", "give tool_calls or the deprecated function_call, not both"
+                )
+            self.tool_calls = [
+                ToolCall(id=f"call_{self.function_call.name}", function=self.function_call)
+            ]
+        if self.content is None and not (
+            self.tool_calls or self.refusal or self.role == "function"
+        ):
             raise reject("content", f"a {self.role} message needs content")
         return self
 

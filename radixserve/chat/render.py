@@ -86,7 +86,9 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, parser: str,
             **kwargs,
         )
     except Exception as e:  # template errors (jinja) are the request's fault
-        raise ChatTemplateError(f"cannot apply the chat template to these messages: {e}", "messages") from e
+        raise ChatTemplateError(
+            f"cannot apply the chat template to these messages: {e}", "messages"
+        ) from e
 
 
 def render_without_tools(tokenizer: Any, parser_setting: str, body: Any) -> str:

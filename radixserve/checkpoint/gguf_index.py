@@ -117,7 +117,9 @@ def read_gguf_index(path: str) -> GGUFIndex:
             infos.append((name, _TYPE_NAMES.get(kind, f"type {kind}"), tuple(shape), offset))
     align = int(meta.get("general.alignment", 32))
     start = (pos + align - 1) // align * align
-    tensors = {name: GGUFTensor(name, kind, shape, start + offset) for name, kind, shape, offset in infos}
+    tensors = {
+        name: GGUFTensor(name, kind, shape, start + offset) for name, kind, shape, offset in infos
+    }
     return GGUFIndex(str(meta.get("general.architecture", "")), tensors)
 
 

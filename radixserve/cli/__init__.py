@@ -46,7 +46,9 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
 
 
 def args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if hasattr(ns, f.name)}
+    return {
+        f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if hasattr(ns, f.name)
+    }
 
 
 def _sampling(ns: argparse.Namespace) -> dict[str, Any]:
@@ -115,39 +117,54 @@ _QUIET = {"log_level": "warning"}  # commands that print to the terminal keep IN
 
 def _build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="radixserve", description=_DESCRIPTION, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,cache,build-kernels,bench}")
+    parser = argparse.ArgumentParser(prog="radixserve", description=_DESCRIPTION,
+                                     formatter_class=fmt)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{generate,serve,chat,cache,build-kernels,bench}")
     gen = sub.add_parser("generate", help="print a completion for one prompt",
                          description="Print a completion for one prompt, as it is generated.")
     gen.add_argument("prompt", help="the prompt (the chat template is applied for instruct models)")
-    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0.0)")
+    gen.add_argument("--max-new-tokens", type=int, default=128,
+                     help="most tokens to generate (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 is greedy (default: 0.0)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_server_args(gen, exclude=SERVER_ONLY, defaults=_QUIET)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                           description="Run the OpenAI-compatible HTTP server (and SGLang's native routes).")
+    serve = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server (and SGLang's native routes).")
     add_server_args(serve)
-    chat = sub.add_parser("chat", help="interactive chat in the terminal",
-                          description="Chat in the terminal, with a running server (--base-url) or a local engine.")
+    chat = sub.add_parser(
+        "chat", help="interactive chat in the terminal",
+        description="Chat in the terminal, with a running server (--base-url) or a local engine.")
     chat.add_argument("--base-url", default=None,
-                      help="chat with a running server, e.g. http://127.0.0.1:30000 (default: a local engine)")
+                      help="chat with a running server, e.g. http://127.0.0.1:30000 "
+                           "(default: a local engine)")
     chat.add_argument("--system", default=None, help="system prompt (default: none)")
-    chat.add_argument("--max-new-tokens", type=int, default=512, help="most tokens per reply (default: 512)")
-    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
-    chat.add_argument("--api-key", default=None, help="the server's API key, with --base-url (default: none)")
+    chat.add_argument("--max-new-tokens", type=int, default=512,
+                      help="most tokens per reply (default: 512)")
+    chat.add_argument("--temperature", type=float, default=0.7,
+                      help="sampling temperature; 0 is greedy (default: 0.7)")
+    chat.add_argument("--api-key", default=None,
+                      help="the server's API key, with --base-url (default: none)")
     add_server_args(chat, exclude=SERVER_ONLY, defaults=_QUIET)
-    cache = sub.add_parser("cache", help="a running server's cached prefixes and recent near-misses",
-                           description="Print a running server's heaviest cached prefixes (GET /cache/tree) "
-                                       "and its recent near-misses (GET /cache/misses).")
-    cache.add_argument("--url", default="http://127.0.0.1:30000", help="the server (default: http://127.0.0.1:30000)")
+    cache = sub.add_parser(
+        "cache", help="a running server's cached prefixes and recent near-misses",
+        description="Print a running server's heaviest cached prefixes (GET /cache/tree) "
+                    "and its recent near-misses (GET /cache/misses).")
+    cache.add_argument("--url", default="http://127.0.0.1:30000",
+                       help="the server (default: http://127.0.0.1:30000)")
     cache.add_argument("--sort", choices=("weight", "tokens"), default="weight",
-                       help="weight: tokens x hits of each prefix; tokens: tokens held below it (default: weight)")
+                       help="weight: tokens x hits of each prefix; tokens: tokens held below it "
+                            "(default: weight)")
     cache.add_argument("--limit", type=int, default=10, help="prefixes to show (default: 10)")
     cache.add_argument("--api-key", default=None, help="the server's API key (default: none)")
-    sub.add_parser("build-kernels", help="compile the CPU kernels now (else the first CPU start does)",
-                   description="Compile the C++ CPU kernels for this machine into the cache folder "
-                               "(else the first CPU start compiles them).")
-    sub.add_parser("bench", help="benchmarks: radixserve bench {serving,compare} --help", add_help=False)
+    sub.add_parser(
+        "build-kernels", help="compile the CPU kernels now (else the first CPU start does)",
+        description="Compile the C++ CPU kernels for this machine into the cache folder "
+                    "(else the first CPU start compiles them).")
+    sub.add_parser("bench", help="benchmarks: radixserve bench {serving,compare} --help",
+                   add_help=False)
     return parser
 
 
@@ -161,7 +178,10 @@ def cmd_build_kernels(ns: argparse.Namespace) -> int:
     from radixserve import cpu_ext
 
     if cpu_ext.load() is None:  # why was logged by the build
-        print("radixserve: the CPU kernels could not be built; CPU runs use the torch path", file=sys.stderr)
+        print(
+            "radixserve: the CPU kernels could not be built; CPU runs use the torch path",
+            file=sys.stderr,
+        )
         return 1
     print(f"CPU kernels ready in {cpu_ext.build_dir()}")
     return 0
@@ -195,6 +215,7 @@ def entry() -> None:
     rc = main()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe (`| head`) loses nothing more
+        # a closed pipe (`| head`) loses nothing more
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(rc)

@@ -35,7 +35,9 @@ def _loop(reply: Callable[[list[dict[str, str]]], Iterator[str]], system: str | 
         history.append({"role": "assistant", "content": "".join(parts)})
 
 
-def chat_remote(base_url: str, max_tokens: int, temperature: float, system: str | None, api_key: str | None) -> int:
+def chat_remote(
+    base_url: str, max_tokens: int, temperature: float, system: str | None, api_key: str | None
+) -> int:
     url = base_url.rstrip("/") + "/v1/chat/completions"
 
     def reply(history: list[dict[str, str]]) -> Iterator[str]:
@@ -56,7 +58,9 @@ def chat_remote(base_url: str, max_tokens: int, temperature: float, system: str 
     return _loop(reply, system)
 
 
-def chat_local(settings: dict[str, Any], max_tokens: int, temperature: float, system: str | None) -> int:
+def chat_local(
+    settings: dict[str, Any], max_tokens: int, temperature: float, system: str | None
+) -> int:
     from radixserve.engine import Engine
 
     model = settings.pop("model")

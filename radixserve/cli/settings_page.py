@@ -128,7 +128,9 @@ def _commands(parser: argparse.ArgumentParser) -> str:
     for name, sub in subparsers.choices.items():
         rows = []
         own = next((g for g in sub._action_groups if g.title == "options"), None)
-        positional = next((g for g in sub._action_groups if g.title == "positional arguments"), None)
+        positional = next(
+            (g for g in sub._action_groups if g.title == "positional arguments"), None
+        )
         for action in [*(positional._group_actions if positional else ()),
                        *(own._group_actions if own else ())]:
             if isinstance(action, argparse._HelpAction):
@@ -140,9 +142,11 @@ def _commands(parser: argparse.ArgumentParser) -> str:
             from radixserve.cli.bench import BENCHMARKS
 
             names = ", ".join(f"`{b}`" for b in BENCHMARKS)
-            out.append(f"**`radixserve bench NAME`** ({names}): runs that benchmark of the checkout's "
-                       "`bench/` folder with its own options (`radixserve bench serving --help`); see "
-                       "[Benchmarks](benchmarks.md).\n")
+            out.append(
+                f"**`radixserve bench NAME`** ({names}): runs that benchmark of the checkout's "
+                "`bench/` folder with its own options (`radixserve bench serving --help`); see "
+                "[Benchmarks](benchmarks.md).\n"
+            )
             continue
         out.append(f"**`radixserve {name}`**: {sub.description or ''}\n")
         if rows:

@@ -47,8 +47,13 @@ HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "decode_layers.h
 # ``RADIXSERVE_CPU_MARCH`` builds for another ``-march`` target than this CPU (``haswell``: the
 # AVX2 code path, ``skylake-avx512``: AVX-512 without BF16), to test a path on a CPU that can run
 # it; the build folder is keyed by it.
-_FLAGS = ["-O3", f"-march={os.environ.get('RADIXSERVE_CPU_MARCH') or 'native'}", "-fno-math-errno", "-std=c++17",
-          "-fopenmp"]
+_FLAGS = [
+    "-O3",
+    f"-march={os.environ.get('RADIXSERVE_CPU_MARCH') or 'native'}",
+    "-fno-math-errno",
+    "-std=c++17",
+    "-fopenmp",
+]
 # What the first build is announced to take on a small machine (the files compile in parallel;
 # each includes only the ATen headers it needs).
 BUILD_SECONDS = 25
@@ -70,7 +75,9 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     root = cache_root()  # the same folder as the converted models
     key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + _cpu_flags().encode()
+        b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+        + torch.__version__.encode()
+        + _cpu_flags().encode()
         + " ".join(_FLAGS).encode()
     ).hexdigest()[:16]
     return Path(root) / "cpu_ext" / key

@@ -15,12 +15,13 @@
 #include <utility>
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
-                           at::Tensor v_scale, at::Tensor table, at::Tensor job_row, at::Tensor job_kv_begin,
-                           at::Tensor job_entry_ptr, at::Tensor entry_row, at::Tensor entry_limit,
-                           at::Tensor row_entry_ptr, at::Tensor row_entries, double scaling, bool rotated);
+                           at::Tensor v_scale, at::Tensor table, at::Tensor job_row,
+                           at::Tensor job_kv_begin, at::Tensor job_entry_ptr, at::Tensor entry_row,
+                           at::Tensor entry_limit, at::Tensor row_entry_ptr, at::Tensor row_entries,
+                           double scaling, bool rotated);
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots);
-void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
-                    at::Tensor v_scale, at::Tensor slots, bool rotated);
+void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool,
+                    at::Tensor k_scale, at::Tensor v_scale, at::Tensor slots, bool rotated);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor weight, double eps);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
@@ -38,8 +39,11 @@ constexpr int64_t LAYER_TENSORS = 18;
 constexpr int64_t LAYER_POOLS = 4;
 constexpr int64_t PLAN_TENSORS = 7;
 
-// How a layer's matmul runs (fused_decode.py's kinds: the Python path's choice for the step's rows).
-enum Linear : int64_t { FLOAT_KERNEL = 0, FLOAT_TORCH = 1, INT8 = 2, INT8_Q8 = 3, INT4 = 4, INT4_Q8 = 5, INT4_Q16 = 6 };
+// How a layer's matmul runs (fused_decode.py's kinds: the Python path's choice for the step's
+// rows).
+enum Linear : int64_t {
+  FLOAT_KERNEL = 0, FLOAT_TORCH = 1, INT8 = 2, INT8_Q8 = 3, INT4 = 4, INT4_Q8 = 5, INT4_Q16 = 6
+};
 
 // x times the weight of tensors t[0..2], plus the bias t[3] where it has elements: as
 // quantization.linear (a kernel's result plus the bias, or torch's linear with it).
@@ -62,31 +66,39 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor* t) {
 
 }  // namespace
 
-DecodeLayers::DecodeLayers(std::vector<at::Tensor> weights_, std::vector<at::Tensor> pools_, double eps_,
-                           std::vector<int64_t> dims_, double scaling_)
-    : weights(std::move(weights_)), pools(std::move(pools_)), eps(eps_), scaling(scaling_), dims(std::move(dims_)) {
+DecodeLayers::DecodeLayers(std::vector<at::Tensor> weights_, std::vector<at::Tensor> pools_,
+                           double eps_, std::vector<int64_t> dims_, double scaling_)
+    : weights(std::move(weights_)),
+      pools(std::move(pools_)),
+      eps(eps_),
+      scaling(scaling_),
+      dims(std::move(dims_)) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / LAYER_TENSORS;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == LAYER_TENSORS * layers &&
                   static_cast<int64_t>(pools.size()) == LAYER_POOLS * layers && dims.size() == 3,
-              "DecodeLayers: ", LAYER_TENSORS, " weights and ", LAYER_POOLS, " pool tensors per layer, 3 dims");
+              "DecodeLayers: ", LAYER_TENSORS, " weights and ", LAYER_POOLS,
+              " pool tensors per layer, 3 dims");
 }
 
 // residual: [T, hidden], updated in place; returns the last layer's MLP output (the Python
 // layers' ``delta``).  kinds: 4 per layer; cos / sin: [T, head_dim] float32.
-at::Tensor DecodeLayers::run(at::Tensor residual, std::vector<int64_t> kinds, at::Tensor cos, at::Tensor sin,
-                             bool quantized, bool rotated, at::Tensor slots, at::Tensor table,
-                             std::vector<at::Tensor> plan) const {
+at::Tensor DecodeLayers::run(at::Tensor residual, std::vector<int64_t> kinds, at::Tensor cos,
+                             at::Tensor sin, bool quantized, bool rotated, at::Tensor slots,
+                             at::Tensor table, std::vector<at::Tensor> plan) const {
   const int64_t layers = static_cast<int64_t>(weights.size()) / LAYER_TENSORS;
-  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers && static_cast<int64_t>(plan.size()) == PLAN_TENSORS,
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers &&
+                  static_cast<int64_t>(plan.size()) == PLAN_TENSORS,
               "DecodeLayers.run: 4 kinds per layer and ", PLAN_TENSORS, " plan tensors");
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "DecodeLayers.run: residual must be contiguous [T, hidden]");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(),
+              "DecodeLayers.run: residual must be contiguous [T, hidden]");
   const int64_t T = residual.size(0), H = dims[0], KV = dims[1], D = dims[2];
   at::Tensor delta;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * LAYER_TENSORS;
     const int64_t* kind = kinds.data() + l * 4;
     const at::Tensor* pool = pools.data() + l * LAYER_POOLS;
-    const at::Tensor h = l == 0 ? rms_norm(residual, w[0], eps) : add_rms_norm(residual, delta, w[0], eps);
+    const at::Tensor h =
+        l == 0 ? rms_norm(residual, w[0], eps) : add_rms_norm(residual, delta, w[0], eps);
     const at::Tensor qkv = linear(kind[0], h, w + 2);
     const at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
     const at::Tensor k = qkv.narrow(1, H * D, KV * D).view({T, KV, D});
@@ -97,8 +109,9 @@ at::Tensor DecodeLayers::run(at::Tensor residual, std::vector<int64_t> kinds, at
       store_kv_quant(k, v, pool[0], pool[1], pool[2], pool[3], slots, rotated);
     else
       store_kv(k, v, pool[0], pool[1], slots);
-    const at::Tensor attn = paged_attention(q.contiguous(), pool[0], pool[1], pool[2], pool[3], table, plan[0],
-                                            plan[1], plan[2], plan[3], plan[4], plan[5], plan[6], scaling, rotated);
+    const at::Tensor attn =
+        paged_attention(q.contiguous(), pool[0], pool[1], pool[2], pool[3], table, plan[0], plan[1],
+                        plan[2], plan[3], plan[4], plan[5], plan[6], scaling, rotated);
     const at::Tensor o = linear(kind[1], attn.view({T, H * D}), w + 6);
     const at::Tensor h2 = add_rms_norm(residual, o, w[1], eps);
     delta = linear(kind[3], silu_mul(linear(kind[2], h2, w + 10)), w + 14);

@@ -8,10 +8,11 @@
 // The layers' weights and the pool's tensors, held across steps, so a step does not convert
 // the hundreds of tensors from Python lists again.
 struct DecodeLayers {
-  DecodeLayers(std::vector<at::Tensor> weights, std::vector<at::Tensor> pools, double eps, std::vector<int64_t> dims,
-               double scaling);
-  at::Tensor run(at::Tensor residual, std::vector<int64_t> kinds, at::Tensor cos, at::Tensor sin, bool quantized,
-                 bool rotated, at::Tensor slots, at::Tensor table, std::vector<at::Tensor> plan) const;
+  DecodeLayers(std::vector<at::Tensor> weights, std::vector<at::Tensor> pools, double eps,
+               std::vector<int64_t> dims, double scaling);
+  at::Tensor run(at::Tensor residual, std::vector<int64_t> kinds, at::Tensor cos, at::Tensor sin,
+                 bool quantized, bool rotated, at::Tensor slots, at::Tensor table,
+                 std::vector<at::Tensor> plan) const;
 
   std::vector<at::Tensor> weights, pools;
   double eps, scaling;

@@ -76,7 +76,8 @@ at::Tensor add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor weight
   auto d = delta.contiguous();
   auto w = weight.contiguous();
   auto out = at::empty_like(residual);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm", [&] {
     scalar_t* r = residual.data_ptr<scalar_t>();
     const scalar_t* dp = d.data_ptr<scalar_t>();
     const int64_t n = residual.numel();

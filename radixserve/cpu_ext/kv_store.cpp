@@ -3,11 +3,12 @@
 // each with its own dispatch overhead, per layer.  An 8-bit pool (kv_cache_dtype int8 /
 // fp8_e4m3 / fp8_e5m2, store_kv_quant) quantizes them in the same call, where the torch ops of
 // the same quantization (amax, divide, round, clamp, cast, three index writes, for each of K and
-// V) would pay a dispatch each, per layer, every decoded token.  Numerics are those of kv_pool.py's quantize_kv, its
-// reference: int8 scale = amax / 127 rounded to float16, values round-half-even(x / scale)
-// clamped to [-127, 127]; fp8 values saturated at the format's largest finite value, then cast
-// (c10's round-to-nearest-even conversion, as torch's).  With `rotated` each row is first turned
-// into the Hadamard basis (kv_pool.fwht: the same butterflies, the same bits).
+// V) would pay a dispatch each, per layer, every decoded token.  Numerics are those of
+// kv_pool.py's quantize_kv, its reference: int8 scale = amax / 127 rounded to float16, values
+// round-half-even(x / scale) clamped to [-127, 127]; fp8 values saturated at the format's largest
+// finite value, then cast (c10's round-to-nearest-even conversion, as torch's).  With `rotated`
+// each row is first turned into the Hadamard basis (kv_pool.fwht: the same butterflies, the same
+// bits).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -79,13 +80,15 @@ void fp8_row(const float* x, int64_t n, F8* q) {
 
 // k, v: [n, KV, D] (float32 / bfloat16 / float16); k_pool, v_pool: [S, KV, D] 8-bit; k_scale,
 // v_scale: [S, KV] float16 for an int8 pool (empty otherwise); slots: [n] int64.
-void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
-                    at::Tensor v_scale, at::Tensor slots, bool rotated) {
+void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool,
+                    at::Tensor k_scale, at::Tensor v_scale, at::Tensor slots, bool rotated) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [n, kv_heads, head_dim]");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == k.size(1) && k_pool.size(2) == k.size(2),
+                  k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == k.size(1) &&
+                  k_pool.size(2) == k.size(2),
               "pools must be contiguous [slots, kv_heads, head_dim] matching k");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "slots must be [n] int64");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0),
+              "slots must be [n] int64");
   const auto type = k_pool.scalar_type();
   TORCH_CHECK(type == at::kChar || type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2,
               "store_kv_quant: the pool must hold int8 or fp8");
@@ -99,13 +102,16 @@ void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_
   auto kc = k.contiguous(), vc = v.contiguous();
   auto sl = slots.contiguous();
   const int64_t n = k.size(0), heads = k.size(1), dim = k.size(2);
-  TORCH_CHECK(!rotated || (dim & (dim - 1)) == 0, "store_kv_quant: a rotated row's size must be a power of two");
+  TORCH_CHECK(!rotated || (dim & (dim - 1)) == 0,
+              "store_kv_quant: a rotated row's size must be a power of two");
   const int64_t num_slots = k_pool.size(0);
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "store_kv_quant: slot ", sp[t], " outside the pool");
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "store_kv_quant: slot ", sp[t],
+                " outside the pool");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kc.scalar_type(), "store_kv_quant", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, kc.scalar_type(), "store_kv_quant", [&] {
     using T = scalar_t;
     const T* srcs[2] = {kc.data_ptr<T>(), vc.data_ptr<T>()};
     at::Tensor* pools[2] = {&k_pool, &v_pool};
@@ -122,7 +128,8 @@ void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_
             quantize_int8_row(row.data(), dim, static_cast<int8_t*>(pools[side]->data_ptr()) + dst,
                               scales[side]->data_ptr<at::Half>() + sp[t] * heads + h);
           } else if (type == at::kFloat8_e4m3fn) {
-            fp8_row(row.data(), dim, static_cast<c10::Float8_e4m3fn*>(pools[side]->data_ptr()) + dst);
+            fp8_row(row.data(), dim,
+                    static_cast<c10::Float8_e4m3fn*>(pools[side]->data_ptr()) + dst);
           } else {
             fp8_row(row.data(), dim, static_cast<c10::Float8_e5m2*>(pools[side]->data_ptr()) + dst);
           }
@@ -136,13 +143,16 @@ void store_kv_quant(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [n, kv_heads, head_dim]");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == k.size(1) && k_pool.size(2) == k.size(2),
+                  k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == k.size(1) &&
+                  k_pool.size(2) == k.size(2),
               "pools must be contiguous [slots, kv_heads, head_dim] matching k");
   TORCH_CHECK(k_pool.scalar_type() == k.scalar_type() && v_pool.scalar_type() == v.scalar_type() &&
                   v.scalar_type() == k.scalar_type(),
               "store_kv: k, v and the pools must share a dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "slots must be [n] int64");
-  for (const auto* t : {&k, &v, &k_pool, &v_pool, &slots}) TORCH_CHECK(t->is_cpu(), "store_kv: CPU tensors only");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0),
+              "slots must be [n] int64");
+  for (const auto* t : {&k, &v, &k_pool, &v_pool, &slots})
+    TORCH_CHECK(t->is_cpu(), "store_kv: CPU tensors only");
   auto kc = k.contiguous(), vc = v.contiguous();
   auto sl = slots.contiguous();
   const int64_t n = k.size(0), num_slots = k_pool.size(0);
@@ -151,7 +161,8 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, 
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "store_kv: slot ", sp[t], " outside the pool");
   }
-  const char* srcs[2] = {static_cast<const char*>(kc.data_ptr()), static_cast<const char*>(vc.data_ptr())};
+  const char* srcs[2] = {static_cast<const char*>(kc.data_ptr()),
+                         static_cast<const char*>(vc.data_ptr())};
   char* dsts[2] = {static_cast<char*>(k_pool.data_ptr()), static_cast<char*>(v_pool.data_ptr())};
   // One token's row is a few hundred bytes: a decode step copies on the calling thread; a
   // prompt's rows are shared out.

@@ -15,11 +15,11 @@
 // 3-8 rows go in one pass over 2 output rows at a time, so a verify step's rows read a large
 // matrix (an LM head) once.
 //
-// 4-bit: blocks of 32 weights along K, w = d * q + m with q in [0, 15] and d, m float16 (llama.cpp's
-// Q4_1; its Q4_0 is m = -8 d): 5 bits a weight, each block expanded to floats in registers.  The
-// d and m of a tile's rows are widened to float 16 blocks per vector instruction into a buffer
-// the block loop broadcasts from (a scalar conversion per block and output row would cost a
-// large share of the time at one row).  d and m stay float16 rather than float32 (6 bits a
+// 4-bit: blocks of 32 weights along K, w = d * q + m with q in [0, 15] and d, m float16
+// (llama.cpp's Q4_1; its Q4_0 is m = -8 d): 5 bits a weight, each block expanded to floats in
+// registers.  The d and m of a tile's rows are widened to float 16 blocks per vector instruction
+// into a buffer the block loop broadcasts from (a scalar conversion per block and output row would
+// cost a large share of the time at one row).  d and m stay float16 rather than float32 (6 bits a
 // weight): fewer bytes, at no cost in time, since the loop waits on the memory's latency more
 // than on its bytes.  With AVX-512 each nibble's weight is looked up by one permute in a
 // 16-float table of the block's d * q + m (int4_tile); with 8-float vectors it is a conversion
@@ -54,9 +54,11 @@ constexpr int BLOCK4 = 32;  // weights per 4-bit block: d and m (float16), 16 by
 // lowered to byte-wise scalar moves by GCC).
 inline vf load_int8(const int8_t* p) {
 #if defined(__AVX512F__)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return (vf)_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(__AVX2__)
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return (vf)_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #else
   vb b;
   std::memcpy(&b, p, sizeof(b));
@@ -70,8 +72,8 @@ inline vf load_int8(const int8_t* p) {
 // those of the float32 weight a loader dequantizes to (q * scale is exact for a float16 scale).
 // Each output's sum runs in the same order whatever MT and R are.
 template <int MT, bool OFFSET, int R = NB>
-inline void int8_tile(const float* x, const int8_t* w, const float* scale, const float* offset, float* y,
-                      int64_t K, int64_t N, int64_t group, int64_t m, int64_t n, int nb) {
+inline void int8_tile(const float* x, const int8_t* w, const float* scale, const float* offset,
+                      float* y, int64_t K, int64_t N, int64_t group, int64_t m, int64_t n, int nb) {
   const int64_t groups = K / group;
   const int8_t* wr[R];
   const float* sr[R];
@@ -91,7 +93,8 @@ inline void int8_tile(const float* x, const int8_t* w, const float* scale, const
     }
     for (int64_t k = g * group; k < (g + 1) * group; k += W) {
       vf wv[R];
-      for (int i = 0; i < R; ++i) wv[i] = OFFSET ? load_int8(wr[i] + k) * sv[i] + ov[i] : load_int8(wr[i] + k) * sv[i];
+      for (int i = 0; i < R; ++i)
+        wv[i] = OFFSET ? load_int8(wr[i] + k) * sv[i] + ov[i] : load_int8(wr[i] + k) * sv[i];
       for (int j = 0; j < MT; ++j) {
         const vf xv = loadw(x + (m + j) * K + k);
         for (int i = 0; i < R; ++i) acc[j][i] += xv * wv[i];
@@ -104,8 +107,9 @@ inline void int8_tile(const float* x, const int8_t* w, const float* scale, const
 
 // Input rows [m, m + MT) times output rows [n, n + nb) as tiles of 2 output rows (as int4_pairs).
 template <int MT, bool OFFSET>
-inline void int8_pairs(const float* x, const int8_t* w, const float* scale, const float* offset, float* y,
-                       int64_t K, int64_t N, int64_t group, int64_t m, int64_t n, int nb) {
+inline void int8_pairs(const float* x, const int8_t* w, const float* scale, const float* offset,
+                       float* y, int64_t K, int64_t N, int64_t group, int64_t m, int64_t n,
+                       int nb) {
   for (int i = 0; i < nb; i += 2)
     int8_tile<MT, OFFSET, 2>(x, w, scale, offset, y, K, N, group, m, n + i, std::min(2, nb - i));
 }
@@ -140,8 +144,8 @@ inline void prefetch_range(const void* p, int64_t bytes) {
 
 // Output rows [n0, n1) of every input row.
 template <bool OFFSET>
-void int8_rows(const float* x, const int8_t* w, const float* scale, const float* offset, float* y, int64_t M,
-               int64_t K, int64_t N, int64_t group, int64_t n0, int64_t n1) {
+void int8_rows(const float* x, const int8_t* w, const float* scale, const float* offset, float* y,
+               int64_t M, int64_t K, int64_t N, int64_t group, int64_t n0, int64_t n1) {
   const int64_t groups = K / group;
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
@@ -155,12 +159,15 @@ void int8_rows(const float* x, const int8_t* w, const float* scale, const float*
 #if defined(__AVX512F__)
     // 1-2 rows keep NB output rows a pass (as fast there; 3-8 rows: see row_passes)
     row_passes(M, [&](auto rows, int64_t m) {
-      if constexpr (rows <= 2) int8_tile<rows, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
-      else int8_pairs<rows, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
+      if constexpr (rows <= 2)
+        int8_tile<rows, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
+      else
+        int8_pairs<rows, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
     });
 #else
     int64_t m = 0;
-    for (; m + MT <= M; m += MT) int8_tile<MT, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
+    for (; m + MT <= M; m += MT)
+      int8_tile<MT, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
     for (; m < M; ++m) int8_tile<1, OFFSET>(x, w, scale, offset, y, K, N, group, m, n, nb);
 #endif
   }
@@ -188,14 +195,16 @@ inline vf nibbles_as_weights(const uint8_t* p, vf d, vf m) {
 }
 
 #if defined(__AVX512F__)
-const __m512 kNibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // q of each lane
+const __m512 kNibbles =
+    _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // q of each lane
 #endif
 
 // The c-th of the 32 / W weight vectors of a block (llama.cpp's Q4_1 layout: byte j holds weight j
 // in its low nibble and weight j + 16 in its high one).
 inline vf block4_vector(const uint8_t* qs, int c, vf d, vf m) {
   constexpr int HALF = 16 / W;  // vectors per half block
-  return c < HALF ? nibbles_as_weights<false>(qs + c * W, d, m) : nibbles_as_weights<true>(qs + (c - HALF) * W, d, m);
+  return c < HALF ? nibbles_as_weights<false>(qs + c * W, d, m)
+                  : nibbles_as_weights<true>(qs + (c - HALF) * W, d, m);
 }
 
 // Input rows [m, m + MT) times output rows [n, n + nb) (nb <= R) of a 4-bit weight: qs [N][K / 2]
@@ -204,8 +213,8 @@ inline vf block4_vector(const uint8_t* qs, int c, vf d, vf m) {
 // Each output's sum runs in the same order whatever MT and R are: a row's result does not
 // depend on how many rows its step has.
 template <int MT, int R = NB>
-inline void int4_tile(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins, float* y,
-                      int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
+inline void int4_tile(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins,
+                      float* y, int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
   constexpr int V = BLOCK4 / W;  // vectors per block
   constexpr int64_t SPAN = 64;
   const int64_t blocks = K / BLOCK4;
@@ -236,12 +245,14 @@ inline void int4_tile(const float* x, const uint8_t* qs, const uint16_t* d, cons
       __m512i q[R];
       __m512 table[R];
       for (int i = 0; i < R; ++i) {
-        q[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + row[i] * (K / 2) + g * 16)));
+        q[i] = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + row[i] * (K / 2) + g * 16)));
         table[i] = _mm512_fmadd_ps(kNibbles, (__m512)dv[i], (__m512)mv[i]);
       }
       for (int c = 0; c < V; ++c) {
         vf wv[R];
-        for (int i = 0; i < R; ++i) wv[i] = (vf)_mm512_permutexvar_ps(c == 0 ? q[i] : _mm512_srli_epi32(q[i], 4), table[i]);
+        for (int i = 0; i < R; ++i)
+          wv[i] = (vf)_mm512_permutexvar_ps(c == 0 ? q[i] : _mm512_srli_epi32(q[i], 4), table[i]);
         for (int j = 0; j < MT; ++j) {
           const vf xv = loadw(x + (m + j) * K + g * BLOCK4 + c * W);
           for (int i = 0; i < R; ++i) acc[j][i] += xv * wv[i];
@@ -250,7 +261,8 @@ inline void int4_tile(const float* x, const uint8_t* qs, const uint16_t* d, cons
 #else
       for (int c = 0; c < V; ++c) {
         vf wv[R];
-        for (int i = 0; i < R; ++i) wv[i] = block4_vector(qs + row[i] * (K / 2) + g * 16, c, dv[i], mv[i]);
+        for (int i = 0; i < R; ++i)
+          wv[i] = block4_vector(qs + row[i] * (K / 2) + g * 16, c, dv[i], mv[i]);
         for (int j = 0; j < MT; ++j) {
           const vf xv = loadw(x + (m + j) * K + g * BLOCK4 + c * W);
           for (int i = 0; i < R; ++i) acc[j][i] += xv * wv[i];
@@ -263,20 +275,20 @@ inline void int4_tile(const float* x, const uint8_t* qs, const uint16_t* d, cons
     for (int i = 0; i < nb; ++i) y[(m + j) * N + n + i] = lane_sum(acc[j][i]);
 }
 
-
 // Input rows [m, m + MT) times output rows [n, n + nb) as tiles of 2 output rows: where MT is
 // too many rows for NB accumulators of each in registers.
 template <int MT>
-inline void int4_pairs(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins, float* y,
-                       int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
-  for (int i = 0; i < nb; i += 2) int4_tile<MT, 2>(x, qs, d, mins, y, K, N, m, n + i, std::min(2, nb - i));
+inline void int4_pairs(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins,
+                       float* y, int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
+  for (int i = 0; i < nb; i += 2)
+    int4_tile<MT, 2>(x, qs, d, mins, y, K, N, m, n + i, std::min(2, nb - i));
 }
 
 // The 4-bit rows of the tile after [n, n + nb), up to n1, asked for ahead: a tile's rows are
 // short (K / 2 bytes of nibbles, K / 8 of scales), so the hardware's prefetcher, which follows
 // one stream, would not run far enough ahead across the tile's rows alone.
-inline void prefetch_next_int4(const uint8_t* qs, const uint16_t* d, const uint16_t* mins, int64_t K, int64_t n,
-                               int nb, int64_t n1) {
+inline void prefetch_next_int4(const uint8_t* qs, const uint16_t* d, const uint16_t* mins,
+                               int64_t K, int64_t n, int nb, int64_t n1) {
   const int64_t blocks = K / BLOCK4, ahead = std::min<int64_t>(NB, n1 - n - nb);
   if (ahead > 0) {
     prefetch_range(qs + (n + nb) * (K / 2), ahead * (K / 2));
@@ -285,15 +297,16 @@ inline void prefetch_next_int4(const uint8_t* qs, const uint16_t* d, const uint1
   }
 }
 
-void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins, float* y, int64_t M,
-               int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins, float* y,
+               int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
     prefetch_next_int4(qs, d, mins, K, n, nb, n1);
 #if defined(__AVX512F__)
     // Up to 8 rows a pass (row_passes), so a verify step's rows expand each weight vector once;
     // passes of at most 4 rows would expand it twice.
-    row_passes(M, [&](auto rows, int64_t m) { int4_pairs<rows>(x, qs, d, mins, y, K, N, m, n, nb); });
+    row_passes(M,
+               [&](auto rows, int64_t m) { int4_pairs<rows>(x, qs, d, mins, y, K, N, m, n, nb); });
 #else
     // 16 vector registers: 2 input rows a pass over NB output rows
     int64_t m = 0;
@@ -322,8 +335,9 @@ void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint1
 constexpr int G4 = 4;  // blocks per group
 
 // One row of x as the kernel reads it: per group of G4 blocks, 128 bytes of xq (as xq + 128 for
-// int8 weights, as xq with 16 lanes of cx for 4-bit ones), 16 lanes of dx (each block's value repeated over its 4 lanes; zeros past
-// the last block); and each block's exact sum of x (zeros past the last block, to a whole vector).
+// int8 weights, as xq with 16 lanes of cx for 4-bit ones), 16 lanes of dx (each block's value
+// repeated over its 4 lanes; zeros past the last block); and each block's exact sum of x (zeros
+// past the last block, to a whole vector).
 struct Q8Row {
   std::vector<uint8_t> xq;  // xq + 128 (for int8 weights: signed, the second operand of VPDPBUSD)
   std::vector<int8_t> xs;   // xq (for 4-bit weights: unsigned nibbles, the first operand)
@@ -380,10 +394,12 @@ void quantize_row_q8(const float* x, int64_t K, bool nibbles, bool wide, Q8Row& 
     const int64_t g = b / G4, i = b % G4;
     for (int l = 0; l < 4; ++l) row.dx[g * 16 + i * 4 + l] = dx;
     if (wide) {
-      split_block16(a0, a1, inv, row.xs.data() + g * 128 + i * 16, row.xl.data() + g * 128 + i * 16);
+      split_block16(a0, a1, inv, row.xs.data() + g * 128 + i * 16,
+                    row.xl.data() + g * 128 + i * 16);
       continue;
     }
-    uint8_t* lo = (nibbles ? reinterpret_cast<uint8_t*>(row.xs.data()) : row.xq.data()) + g * 128 + i * 16;
+    uint8_t* lo =
+        (nibbles ? reinterpret_cast<uint8_t*>(row.xs.data()) : row.xq.data()) + g * 128 + i * 16;
     // x * inv rounded half to even (as nearbyint), plus the bias, as bytes: weights 0-15 and 16-31
     const __m512 iv = _mm512_set1_ps(inv);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -397,7 +413,8 @@ void quantize_row_q8(const float* x, int64_t K, bool nibbles, bool wide, Q8Row& 
   for (int64_t g = 0; g < groups; ++g)
     for (int lane = 0; lane < 16; ++lane) {
       int32_t total = 0;
-      for (int b = 0; b < 4; ++b) total += row.xs[g * 128 + 4 * lane + b] + row.xs[g * 128 + 64 + 4 * lane + b];
+      for (int b = 0; b < 4; ++b)
+        total += row.xs[g * 128 + 4 * lane + b] + row.xs[g * 128 + 64 + 4 * lane + b];
       row.cx[g * 16 + lane] = 8 * total;
     }
 }
@@ -410,11 +427,14 @@ const __m512i kSpread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3,
 
 // The first `lanes` (at most 4) of four float16 values as floats in lanes 0-3.
 inline __m512 halves4(__mmask16 lanes, const uint16_t* p) {
-  return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(lanes), p)));
+  return _mm512_castps128_ps512(
+      _mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(lanes), p)));
 }
 
 // The mask of the first min(16, n) lanes.
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
 
 // out[j] = sum over the blocks of `centre(b)` times row j's exact block sum, for the MT rows of x.
 template <int MT, typename Centre>
@@ -423,7 +443,8 @@ inline void centre_sums(const Q8Row* x, int64_t blocks, const Centre& centre, fl
   for (int j = 0; j < MT; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b += 16) {
     const __m512 c = centre(b, first_lanes(blocks - b));
-    for (int j = 0; j < MT; ++j) acc[j] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x[j].sum.data() + b), acc[j]);
+    for (int j = 0; j < MT; ++j)
+      acc[j] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x[j].sum.data() + b), acc[j]);
   }
   for (int j = 0; j < MT; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
 }
@@ -441,7 +462,8 @@ struct NibbleRows {
   void group(int64_t r, int64_t g, int, __mmask64 bytes, __mmask16 lanes, __m512i& lo, __m512i& hi,
              __m512& scale) const {
     const __m512i low4 = _mm512_set1_epi8(15);
-    const __m512i packed = _mm512_maskz_loadu_epi8(bytes, qs + r * (K / 2) + g * 64);  // zeros past the last block
+    const __m512i packed =
+        _mm512_maskz_loadu_epi8(bytes, qs + r * (K / 2) + g * 64);  // zeros past the last block
     lo = _mm512_and_si512(packed, low4);
     hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
     scale = _mm512_permutexvar_ps(kSpread, halves4(lanes, d + r * (K / BLOCK4) + g * G4));
@@ -467,8 +489,8 @@ struct ByteRows {
   const int8_t* q;
   const float *scale_, *offset;  // offset: nullptr for symmetric groups (a GGUF's Q8_0)
   int64_t K;
-  void group(int64_t r, int64_t g, int in_group, __mmask64, __mmask16 lanes, __m512i& lo, __m512i& hi,
-             __m512& scale) const {
+  void group(int64_t r, int64_t g, int in_group, __mmask64, __mmask16 lanes, __m512i& lo,
+             __m512i& hi, __m512& scale) const {
     const int8_t* src = q + r * K + g * (G4 * BLOCK4);
     // 32 bytes per block: the first 64 in a, the rest in b
     const int valid = 32 * in_group;
@@ -477,7 +499,8 @@ struct ByteRows {
     const __m512i a = _mm512_maskz_loadu_epi8(ma, src), b = _mm512_maskz_loadu_epi8(mb, src + 64);
     lo = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0));
     hi = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    scale = _mm512_permutexvar_ps(kSpread, _mm512_maskz_loadu_ps(lanes, scale_ + r * (K / BLOCK4) + g * G4));
+    scale = _mm512_permutexvar_ps(kSpread,
+                                  _mm512_maskz_loadu_ps(lanes, scale_ + r * (K / BLOCK4) + g * G4));
   }
   template <int MT, bool>
   void centres(int64_t r, const Q8Row* x, float* out) const {
@@ -486,14 +509,17 @@ struct ByteRows {
       return;
     }
     const float* orow = offset + r * (K / BLOCK4);
-    centre_sums<MT>(x, K / BLOCK4, [&](int64_t b, __mmask16 live) { return _mm512_maskz_loadu_ps(live, orow + b); }, out);
+    centre_sums<MT>(
+        x, K / BLOCK4,
+        [&](int64_t b, __mmask16 live) { return _mm512_maskz_loadu_ps(live, orow + b); }, out);
   }
 };
 
 // Rows [m, m + MT) of x times output rows [n, n + nb) (nb <= R).  Per group the R rows' weights
 // are formed once, then each row of x is loaded once for all R of them.
 template <typename Rows, int MT, int R, bool WIDE>
-inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t N, int64_t m, int64_t n, int nb) {
+inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t N, int64_t m,
+                    int64_t n, int nb) {
   const int64_t blocks = K / BLOCK4, groups = (blocks + G4 - 1) / G4;
   const __m512i ones = _mm512_set1_epi8(1);
   __m512 acc[MT][R];
@@ -509,7 +535,10 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
       w.group(n + std::min(i, nb - 1), g, in_group, bytes, lanes, wlo[i], whi[i], sv[i]);
       // int8 weights: x's bytes are xq + 128, less 128 sum(w) per lane
       if constexpr (!Rows::kNibbles)
-        bias[i] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wlo[i]), ones, whi[i]), 7);
+        bias[i] = _mm512_slli_epi32(
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wlo[i]), ones,
+                                whi[i]),
+            7);
     }
     for (int j = 0; j < MT; ++j) {
       const Q8Row& xr = x[m + j];
@@ -521,10 +550,12 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
         const __m512i llo = _mm512_loadu_si512(xr.xl.data() + g * 128);
         const __m512i lhi = _mm512_loadu_si512(xr.xl.data() + g * 128 + 64);
         for (int i = 0; i < R; ++i) {
-          const __m512i high = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[i], xlo), whi[i], xhi);
-          const __m512i sums =
-              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), wlo[i], llo), whi[i], lhi);
-          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
+          const __m512i high = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[i], xlo), whi[i], xhi);
+          const __m512i sums = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), wlo[i], llo), whi[i], lhi);
+          acc[j][i] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
         }
       } else if constexpr (Rows::kNibbles) {
         const __m512i xlo = _mm512_loadu_si512(xr.xs.data() + g * 128);
@@ -532,16 +563,22 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
         const __m512i cx = _mm512_loadu_si512(xr.cx.data() + g * 16);
         for (int i = 0; i < R; ++i) {
           const __m512i sums = _mm512_sub_epi32(
-              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[i], xlo), whi[i], xhi), cx);
-          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[i], xlo), whi[i],
+                                  xhi),
+              cx);
+          acc[j][i] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
         }
       } else {
         const __m512i xlo = _mm512_loadu_si512(xr.xq.data() + g * 128);
         const __m512i xhi = _mm512_loadu_si512(xr.xq.data() + g * 128 + 64);
         for (int i = 0; i < R; ++i) {
           const __m512i sums = _mm512_sub_epi32(
-              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xlo, wlo[i]), xhi, whi[i]), bias[i]);
-          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xlo, wlo[i]), xhi,
+                                  whi[i]),
+              bias[i]);
+          acc[j][i] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv[i], dxv), acc[j][i]);
         }
       }
     }
@@ -549,7 +586,8 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
   for (int i = 0; i < nb; ++i) {
     float centre[MT];
     w.template centres<MT, !WIDE>(n + i, x + m, centre);
-    for (int j = 0; j < MT; ++j) y[(m + j) * N + n + i] = _mm512_reduce_add_ps(acc[j][i]) + centre[j];
+    for (int j = 0; j < MT; ++j)
+      y[(m + j) * N + n + i] = _mm512_reduce_add_ps(acc[j][i]) + centre[j];
   }
 }
 
@@ -558,8 +596,8 @@ inline void q8_tile(const Q8Row* x, const Rows& w, float* y, int64_t K, int64_t 
 // vectors, which still costs less than passes over pairs of output rows), more as passes of 8
 // and the rest.
 template <typename Rows, bool WIDE = false, typename Prefetch>
-void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
-             const Prefetch& prefetch) {
+void q8_rows(const Q8Row* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+             int64_t n1, const Prefetch& prefetch) {
   const auto pass = [&](int64_t m, int64_t rows, int64_t n, int nb) {
     switch (rows) {
       case 1: return q8_tile<Rows, 1, NB, WIDE>(x, w, y, K, N, m, n, nb);
@@ -616,11 +654,11 @@ struct Bf16Dot {
 #else
 inline vf load_bf16(const uint16_t* p) {
 #if defined(__AVX512F__)
-  return (vf)_mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 #elif defined(__AVX2__)
-  return (vf)_mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 #else
   vf out;
   for (int l = 0; l < W; ++l) {
@@ -678,13 +716,14 @@ inline constexpr int dot_tile_rows(int64_t M) { return M == 1 ? 4 : 2; }
 constexpr int64_t ROWS_AHEAD = 8;
 
 template <typename D, int R>
-void dot_tiles(const typename D::T* x, const typename D::T* w, float* y, int64_t M, int64_t K, int64_t N,
-               int64_t n0, int64_t n1) {
+void dot_tiles(const typename D::T* x, const typename D::T* w, float* y, int64_t M, int64_t K,
+               int64_t N, int64_t n0, int64_t n1) {
   const int64_t ahead = M == 1 ? D::ONE_ROW_AHEAD : ROWS_AHEAD;
   for (int64_t n = n0; n < n1; n += R) {
     const int nb = static_cast<int>(std::min<int64_t>(R, n1 - n));
     if (ahead > 0 && n + ahead < n1)
-      prefetch_range(w + (n + ahead) * K, std::min<int64_t>(R, n1 - n - ahead) * K * sizeof(typename D::T));
+      prefetch_range(w + (n + ahead) * K,
+                     std::min<int64_t>(R, n1 - n - ahead) * K * sizeof(typename D::T));
     int64_t m = 0;
     for (; m + DOT_ROWS <= M; m += DOT_ROWS) dot_tile<D, DOT_ROWS, R>(x, w, y, K, N, m, n, nb);
     switch (M - m) {
@@ -704,8 +743,8 @@ void dot_tiles(const typename D::T* x, const typename D::T* w, float* y, int64_t
 
 // Output rows [n0, n1) of every input row.
 template <typename D>
-void dot_rows(const typename D::T* x, const typename D::T* w, float* y, int64_t M, int64_t K, int64_t N,
-              int64_t n0, int64_t n1) {
+void dot_rows(const typename D::T* x, const typename D::T* w, float* y, int64_t M, int64_t K,
+              int64_t N, int64_t n0, int64_t n1) {
   switch (dot_tile_rows(M)) {
     case 4: return dot_tiles<D, 4>(x, w, y, M, K, N, n0, n1);
     case 3: return dot_tiles<D, 3>(x, w, y, M, K, N, n0, n1);
@@ -714,7 +753,8 @@ void dot_rows(const typename D::T* x, const typename D::T* w, float* y, int64_t 
 }
 
 template <typename D>
-void dot_linear(const typename D::T* x, const typename D::T* w, float* y, int64_t M, int64_t K, int64_t N) {
+void dot_linear(const typename D::T* x, const typename D::T* w, float* y, int64_t M, int64_t K,
+                int64_t N) {
   TORCH_CHECK(K % D::STEP == 0, "float_linear: K must be a multiple of ", D::STEP);
   constexpr int64_t unit = 12;  // output rows: a whole number of tiles of 4, 3 or 2
   at::parallel_for(0, (N + unit - 1) / unit, 6, [&](int64_t b0, int64_t b1) {
@@ -793,7 +833,8 @@ at::Tensor few_row_matmul(const at::Tensor& x, int64_t N, const Rows& rows) {
 // few_row_matmul over x's rows quantized for q8_tile (in 4-bit weights' layout with `nibbles`):
 // ``rows(q8_rows, y, n0, n1)``.
 template <typename Rows>
-at::Tensor q8_matmul(const at::Tensor& x, int64_t N, bool nibbles, const Rows& rows, bool wide = false) {
+at::Tensor q8_matmul(const at::Tensor& x, int64_t N, bool nibbles, const Rows& rows,
+                     bool wide = false) {
   std::vector<float> xbuf;
   const float* xf = rows_as_float(x, xbuf);
   const int64_t M = x.size(0), K = x.size(1);
@@ -811,7 +852,8 @@ at::Tensor q8_matmul(const at::Tensor& x, int64_t N, bool nibbles, const Rows& r
 // bfloat16 with AVX-512 BF16).  Returns [M, N] in their dtype (bfloat16 sums are taken in
 // float32 and rounded once, as torch does).
 at::Tensor float_linear(at::Tensor x, at::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "float_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "float_linear: x [M, K], w [N, K]");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && w.scalar_type() == x.scalar_type() &&
                   x.is_contiguous() && w.is_contiguous(),
@@ -824,7 +866,8 @@ at::Tensor float_linear(at::Tensor x, at::Tensor w) {
   }
   std::unique_ptr<float[]> sums(new float[M * N]);  // every element written by dot_linear
   dot_linear<Bf16Dot>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-                      reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), sums.get(), M, K, N);
+                      reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), sums.get(), M,
+                      K, N);
   at::BFloat16* dst = y.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < M * N; ++i) dst[i] = static_cast<at::BFloat16>(sums[i]);  // rounded once
   return y;
@@ -835,19 +878,22 @@ int64_t vector_width() { return W; }
 
 // An int8 weight's scales (and offsets: an empty tensor for none) [N, K / group] float32, the
 // group a whole number of vectors; returns the group.
-static int64_t int8_group(const char* what, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), what, ": w must be contiguous int8 [N, K]");
+static int64_t int8_group(const char* what, const at::Tensor& w, const at::Tensor& scale,
+                          const at::Tensor& offset) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), what,
+              ": w must be contiguous int8 [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) > 0 && K % scale.size(1) == 0 &&
-                  (K / scale.size(1)) % W == 0 && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) > 0 &&
+                  K % scale.size(1) == 0 && (K / scale.size(1)) % W == 0 &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous(),
               what, ": scale must be [N, K / group] float32, the group a multiple of ", W);
-  TORCH_CHECK(offset.numel() == 0 || (offset.sizes() == scale.sizes() && offset.scalar_type() == at::kFloat &&
-                                      offset.is_contiguous()),
+  TORCH_CHECK(offset.numel() == 0 || (offset.sizes() == scale.sizes() &&
+                                      offset.scalar_type() == at::kFloat && offset.is_contiguous()),
               what, ": offset must be empty or shaped as scale, float32");
   return K / scale.size(1);
 }
 
-// x: [M, K] float32 / bfloat16 / float16; w: [N, K] int8; scale and offset: see int8_group.  Returns
+// x: [M, K] float32 / bfloat16 / float16; w: [N, K] int8; scale and offset: see int8_group. Returns
 // [M, N] in x's dtype.
 at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor offset) {
   const int64_t group = int8_group("int8_linear", w, scale, offset);
@@ -876,16 +922,17 @@ at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tens
   const float* sp = scale.data_ptr<float>();
   const float* op = offset.numel() ? offset.data_ptr<float>() : nullptr;
   const ByteRows rows{wp, sp, op, K};
-  return q8_matmul(x, N, ByteRows::kNibbles, [&](const Q8Row* q8, float* yp, int64_t n0, int64_t n1) {
-    q8_rows(q8, rows, yp, M, K, N, n0, n1, [&](int64_t n, int nb) {
-      const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb), groups = K / BLOCK4;
-      if (ahead > 0) {
-        prefetch_range(wp + (n + nb) * K, ahead * K);
-        prefetch_range(sp + (n + nb) * groups, ahead * groups * 4);
-        if (op) prefetch_range(op + (n + nb) * groups, ahead * groups * 4);
-      }
-    });
-  });
+  return q8_matmul(
+      x, N, ByteRows::kNibbles, [&](const Q8Row* q8, float* yp, int64_t n0, int64_t n1) {
+        q8_rows(q8, rows, yp, M, K, N, n0, n1, [&](int64_t n, int nb) {
+          const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb), groups = K / BLOCK4;
+          if (ahead > 0) {
+            prefetch_range(wp + (n + nb) * K, ahead * K);
+            prefetch_range(sp + (n + nb) * groups, ahead * groups * 4);
+            if (op) prefetch_range(op + (n + nb) * groups, ahead * groups * 4);
+          }
+        });
+      });
 #else
   TORCH_CHECK(false, "int8_linear_q8: this build has no AVX-512 VNNI");
   return x;
@@ -893,15 +940,18 @@ at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tens
 }
 
 // out[n][k] = scale[n][k / group] * w[n][k] (+ offset[n][k / group]) in out's dtype (float32 /
-// bfloat16 / float16): the weight of a many-row matmul, written into a scratch buffer the caller keeps.
+// bfloat16 / float16): the weight of a many-row matmul, written into a scratch buffer the caller
+// keeps.
 void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor offset, at::Tensor out) {
   const int64_t group = int8_group("int8_dequant_", w, scale, offset);
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == w.sizes(), "int8_dequant_: out must be contiguous [N, K]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == w.sizes(),
+              "int8_dequant_: out must be contiguous [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* offp = offset.numel() ? offset.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int8_dequant_", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, out.scalar_type(), "int8_dequant_", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
@@ -920,19 +970,23 @@ void int8_dequant_(at::Tensor w, at::Tensor scale, at::Tensor offset, at::Tensor
 
 namespace {
 
-void check_int4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, int64_t K, const char* what) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() && K % BLOCK4 == 0 &&
-                  qs.size(1) * 2 == K,
+void check_int4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, int64_t K,
+                const char* what) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
+                  K % BLOCK4 == 0 && qs.size(1) * 2 == K,
               what, ": qs must be [N, K / 2] uint8 and K a multiple of ", BLOCK4);
   const int64_t N = qs.size(0);
   for (const at::Tensor* t : {&d, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / BLOCK4,
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == N && t->size(1) == K / BLOCK4,
                 what, ": d and m must be [N, K / ", BLOCK4, "] float16");
 }
 
-// A float16 tensor's elements as their bit patterns (the kernels widen them: widen_halves, halves4).
-inline const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
+// A float16 tensor's elements as their bit patterns (the kernels widen them: widen_halves,
+// halves4).
+inline const uint16_t* half_bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+}
 
 }  // namespace
 
@@ -954,7 +1008,8 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor min
 // CPU has AVX-512 VNNI (q8_supported), an error elsewhere.
 namespace {
 // int4_linear with x quantized per block of 32: in int8 (int4_linear_q8), or `wide` in 16 bits.
-at::Tensor int4_linear_x(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins, bool wide, const char* name) {
+at::Tensor int4_linear_x(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins, bool wide,
+                         const char* name) {
   TORCH_CHECK(x.dim() == 2, name, ": x [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
   check_int4(qs, d, mins, K, name);
@@ -963,14 +1018,19 @@ at::Tensor int4_linear_x(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m
   const uint16_t* dp = half_bits(d);
   const uint16_t* mp = half_bits(mins);
   const NibbleRows w{qp, dp, mp, K};
-  return q8_matmul(x, N, NibbleRows::kNibbles, [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
-    const auto prefetch = [&](int64_t n, int nb) { prefetch_next_int4(qp, dp, mp, K, n, nb, n1); };
-    if (wide) {
-      q8_rows<NibbleRows, true>(rows, w, yp, M, K, N, n0, n1, prefetch);
-    } else {
-      q8_rows<NibbleRows, false>(rows, w, yp, M, K, N, n0, n1, prefetch);
-    }
-  }, wide);
+  return q8_matmul(
+      x, N, NibbleRows::kNibbles,
+      [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
+        const auto prefetch = [&](int64_t n, int nb) {
+          prefetch_next_int4(qp, dp, mp, K, n, nb, n1);
+        };
+        if (wide) {
+          q8_rows<NibbleRows, true>(rows, w, yp, M, K, N, n0, n1, prefetch);
+        } else {
+          q8_rows<NibbleRows, false>(rows, w, yp, M, K, N, n0, n1, prefetch);
+        }
+      },
+      wide);
 #else
   TORCH_CHECK(false, name, ": this build has no AVX-512 VNNI");
   return x;
@@ -998,14 +1058,16 @@ bool q8_supported() { return RADIXSERVE_Q8_DOT; }
 
 // out[n][k] = d * q + m of the 4-bit weight, in out's dtype (float32 / bfloat16 / float16).
 void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out) {
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == qs.size(0), "int4_dequant_: out [N, K]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == qs.size(0),
+              "int4_dequant_: out [N, K]");
   const int64_t N = out.size(0), K = out.size(1);
   check_int4(qs, d, mins, K, "int4_dequant_");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const uint16_t* dp = half_bits(d);
   const uint16_t* mp = half_bits(mins);
   const int64_t blocks = K / BLOCK4;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int4_dequant_", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, out.scalar_type(), "int4_dequant_", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       std::vector<float> ds(blocks), ms(blocks);
@@ -1015,7 +1077,8 @@ void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out)
         for (int64_t g = 0; g < blocks; ++g) {
           const vf dv = splat_as<vf>(ds[g]), mv = splat_as<vf>(ms[g]);
           vf wv[BLOCK4 / W];
-          for (int c = 0; c < BLOCK4 / W; ++c) wv[c] = block4_vector(qp + n * (K / 2) + g * 16, c, dv, mv);
+          for (int c = 0; c < BLOCK4 / W; ++c)
+            wv[c] = block4_vector(qp + n * (K / 2) + g * 16, c, dv, mv);
           scalar_t* dst = op + n * K + g * BLOCK4;
           for (int c = 0; c < BLOCK4 / W; ++c) store_elems(dst + c * W, wv[c]);
         }

@@ -139,7 +139,8 @@ inline void int8_row(const int8_t* src, float scale, float* dst, int n) {
   for (int i = 0; i < n; i += 16) {
 #if defined(__AVX512F__)
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), _mm512_set1_ps(scale)));
+    _mm512_storeu_ps(
+        dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), _mm512_set1_ps(scale)));
 #elif defined(__AVX2__)
     const __m256 sv = _mm256_set1_ps(scale);
     for (int h = 0; h < 16; h += 8) {
@@ -196,11 +197,14 @@ inline vf reduce_w(const vf* t) {
   const vi order = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   vf u[8], w[4], x[2];
   for (int i = 0; i < 8; ++i)
-    u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo8) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi8);
+    u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo8) +
+           __builtin_shuffle(t[2 * i], t[2 * i + 1], hi8);
   for (int i = 0; i < 4; ++i)
-    w[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], lo4) + __builtin_shuffle(u[2 * i], u[2 * i + 1], hi4);
+    w[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], lo4) +
+           __builtin_shuffle(u[2 * i], u[2 * i + 1], hi4);
   for (int i = 0; i < 2; ++i)
-    x[i] = __builtin_shuffle(w[2 * i], w[2 * i + 1], lo2) + __builtin_shuffle(w[2 * i], w[2 * i + 1], hi2);
+    x[i] = __builtin_shuffle(w[2 * i], w[2 * i + 1], lo2) +
+           __builtin_shuffle(w[2 * i], w[2 * i + 1], hi2);
   const vf y = __builtin_shuffle(x[0], x[1], lo1) + __builtin_shuffle(x[0], x[1], hi1);
   return __builtin_shuffle(y, order);
 }
@@ -222,10 +226,13 @@ inline float hsum(vf v) {
 // out[i] = sum of the 8 lanes of t[i]: two levels of pairwise horizontal adds within each
 // 128-bit half, then the two halves added across.
 inline vf reduce_w(const vf* t) {
-  const __m256 a = _mm256_hadd_ps((__m256)t[0], (__m256)t[1]), b = _mm256_hadd_ps((__m256)t[2], (__m256)t[3]);
-  const __m256 c = _mm256_hadd_ps((__m256)t[4], (__m256)t[5]), d = _mm256_hadd_ps((__m256)t[6], (__m256)t[7]);
+  const __m256 a = _mm256_hadd_ps((__m256)t[0], (__m256)t[1]),
+               b = _mm256_hadd_ps((__m256)t[2], (__m256)t[3]);
+  const __m256 c = _mm256_hadd_ps((__m256)t[4], (__m256)t[5]),
+               d = _mm256_hadd_ps((__m256)t[6], (__m256)t[7]);
   const __m256 lo = _mm256_hadd_ps(a, b), hi = _mm256_hadd_ps(c, d);  // [t0..t3 | t0..t3] halves
-  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
+                           _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 #else
 inline float hmax(vf v) {
@@ -266,8 +273,8 @@ inline v16 dot_pairs(v16 acc, const uint32_t* a, uint32_t b) {
 // Entry e, query head h: the normalised partial output acc / total and its log-sum-exp
 // (``max`` is the row's running max in natural-log units).
 template <int D>
-inline void write_partial(int64_t e, int64_t h, int64_t num_heads, const float* acc, float total, float max,
-                          float* part, float* lse) {
+inline void write_partial(int64_t e, int64_t h, int64_t num_heads, const float* acc, float total,
+                          float max, float* part, float* lse) {
   const float inv = 1.f / total;
   float* dst = part + (e * num_heads + h) * D;
   for (int d = 0; d < D; ++d) dst[d] = acc[d] * inv;
@@ -352,8 +359,8 @@ alignas(64) const float kZeroRow[128] = {};
 // pool holds bfloat16 / float16 / 8 bits (converted once per task and block; an int8 row times
 // its scale in `scales`, [slots, KV heads]); keys past `nk` are zeros.
 template <typename KT, int D>
-inline void block_rows(const int32_t* slots, int nk, const KT* pool, const at::Half* scales, int64_t num_kv,
-                       int64_t kvh, float (*buf)[D], const float** rows) {
+inline void block_rows(const int32_t* slots, int nk, const KT* pool, const at::Half* scales,
+                       int64_t num_kv, int64_t kvh, float (*buf)[D], const float** rows) {
   const int64_t kv_stride = num_kv * D;
   for (int j = 0; j < nk; ++j) {
     const KT* src = pool + slots[j] * kv_stride + kvh * D;
@@ -391,8 +398,8 @@ inline int next_block_keys(int64_t kb, int64_t kv_end) {
 // The next block's K/V rows, requested now: between two steps the other layers' weights and
 // KV have pushed this layer's out of the caches, and the rows sit behind a table.
 template <typename KT, int D>
-inline void prefetch_rows(const int32_t* slots, int n, const KT* kp, const KT* vp, int64_t kv_stride,
-                          int64_t kvh) {
+inline void prefetch_rows(const int32_t* slots, int n, const KT* kp, const KT* vp,
+                          int64_t kv_stride, int64_t kvh) {
   for (int j = 0; j < n; ++j) {
     const int64_t off = static_cast<int64_t>(slots[j]) * kv_stride + kvh * D;
     for (int b = 0; b < D * static_cast<int>(sizeof(KT)); b += 64) {
@@ -426,9 +433,10 @@ inline void bf16_row(const KT* src, float scale, uint16_t* dst) {
 // `kbuf` / `vbuf` where the pool holds 8 bits (converted once per task and block); keys past
 // `nk` point at a zero row.
 template <typename KT, int D>
-inline void block_rows16(const int32_t* slots, int nk, const KT* kp, const KT* vp, const at::Half* ks,
-                         const at::Half* vs, int64_t num_kv, int64_t kvh, uint16_t (*kbuf)[D],
-                         uint16_t (*vbuf)[D], const uint16_t** krow, const uint16_t** vrow) {
+inline void block_rows16(const int32_t* slots, int nk, const KT* kp, const KT* vp,
+                         const at::Half* ks, const at::Half* vs, int64_t num_kv, int64_t kvh,
+                         uint16_t (*kbuf)[D], uint16_t (*vbuf)[D], const uint16_t** krow,
+                         const uint16_t** vrow) {
   const int64_t kv_stride = num_kv * D;
   for (int j = 0; j < nk; ++j) {
     const int64_t off = slots[j] * kv_stride + kvh * D;
@@ -502,7 +510,8 @@ inline void unpermute_v_pairs(float* acc) {
   for (int g = 0; g < D / 32; ++g)
     for (int half = 0; half < 2; ++half)
       for (int lane = 0; lane < 4; ++lane)
-        for (int i = 0; i < 4; ++i) t[32 * g + 8 * lane + 4 * half + i] = acc[32 * g + 16 * half + 4 * lane + i];
+        for (int i = 0; i < 4; ++i)
+          t[32 * g + 8 * lane + 4 * half + i] = acc[32 * g + 16 * half + 4 * lane + i];
   std::memcpy(acc, t, sizeof(t));
 }
 
@@ -533,8 +542,9 @@ constexpr float LAZY_MAX = 8.f;
 // by pair products into the float32 accumulators.  Output as run_task's.
 template <typename QT, typename KT, int D, int CHUNK>
 void run_task_pairs(const Plan& plan, const QT* q, const KT* kp, const KT* vp, const at::Half* ks,
-                    const at::Half* vs, int64_t num_heads, int64_t num_kv, int64_t group, float scaling,
-                    int64_t job, int64_t kvh, int64_t e0, int64_t e1, float* part, float* lse) {
+                    const at::Half* vs, int64_t num_heads, int64_t num_kv, int64_t group,
+                    float scaling, int64_t job, int64_t kvh, int64_t e0, int64_t e1, float* part,
+                    float* lse) {
   constexpr int ROWS = pair_rows<D>();
   constexpr int DV = D / 16;
   constexpr int DC = DV < 4 ? DV : 4;  // accumulator vectors per row held in registers in P.V
@@ -578,7 +588,8 @@ void run_task_pairs(const Plan& plan, const QT* q, const KT* kp, const KT* vp, c
       for (int i = 0; i < 16; ++i) x[i] = to_float(src[d + i]);
       const v16i b = bf16_bits(x);
       for (int i = 0; i < 8; ++i)
-        qp2[r][d / 2 + i] = static_cast<uint32_t>(b[2 * i]) | (static_cast<uint32_t>(b[2 * i + 1]) << 16);
+        qp2[r][d / 2 + i] =
+            static_cast<uint32_t>(b[2 * i]) | (static_cast<uint32_t>(b[2 * i + 1]) << 16);
     }
     limit[r] = plan.entry_limit[e];
     kv_end = std::max(kv_end, limit[r]);
@@ -618,7 +629,8 @@ void run_task_pairs(const Plan& plan, const QT* q, const KT* kp, const KT* vp, c
         __m512 x0 = _mm512_mul_ps(s[i][0], scale2), x1 = _mm512_mul_ps(s[i][1], scale2);
         __mmask16 live0 = 0xFFFF, live1 = 0xFFFF;
         if (partial) {
-          const __m512i live = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(nk, limit[row] - kb)));
+          const __m512i live =
+              _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(nk, limit[row] - kb)));
           live0 = _mm512_cmplt_epi32_mask(col0, live);
           live1 = _mm512_cmplt_epi32_mask(col1, live);
           x0 = _mm512_mask_blend_ps(live0, negv, x0);
@@ -667,14 +679,15 @@ void run_task_pairs(const Plan& plan, const QT* q, const KT* kp, const KT* vp, c
   }
   for (int r = 0; r < rows; ++r) {
     if constexpr (DIRECT_V) unpermute_v_pairs<D>(acc[r]);
-    write_partial<D>(e0 + r / group, kvh * group + r % group, num_heads, acc[r], _mm512_reduce_add_ps(l[r]),
-                     m[r] * 0.69314718055994531f, part, lse);
+    write_partial<D>(e0 + r / group, kvh * group + r % group, num_heads, acc[r],
+                     _mm512_reduce_add_ps(l[r]), m[r] * 0.69314718055994531f, part, lse);
   }
 }
 #else
 template <typename QT, typename KT, int D, int CHUNK>
-void run_task_pairs(const Plan&, const QT*, const KT*, const KT*, const at::Half*, const at::Half*, int64_t,
-                    int64_t, int64_t, float, int64_t, int64_t, int64_t, int64_t, float*, float*) {}
+void run_task_pairs(const Plan&, const QT*, const KT*, const KT*, const at::Half*, const at::Half*,
+                    int64_t, int64_t, int64_t, float, int64_t, int64_t, int64_t, int64_t, float*,
+                    float*) {}
 #endif
 
 // One task: KV head `kvh` of job `job`, entries [e0, e1).  Writes each entry's normalised
@@ -828,18 +841,20 @@ void run_task(const Plan& plan, const QT* q, const KT* kp, const KT* vp, const a
     }
   }
   for (int r = 0; r < rows; ++r)
-    write_partial<D>(e0 + r / group, kvh * group + r % group, num_heads, acc[r], hsum(l[r]), m[r], part, lse);
+    write_partial<D>(e0 + r / group, kvh * group + r % group, num_heads, acc[r], hsum(l[r]), m[r],
+                     part, lse);
 }
 template <typename QT, typename KT, int D>
 void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, const KT* vp,
-              const at::Half* ks, const at::Half* vs, int64_t num_heads, int64_t num_kv, float scaling,
-              bool bf16_model, float* part, float* lse) {
+              const at::Half* ks, const at::Half* vs, int64_t num_heads, int64_t num_kv,
+              float scaling, bool bf16_model, float* part, float* lse) {
   const int64_t group = num_heads / num_kv;
   // On a CPU with AVX-512 BF16 a bfloat16 pool runs every task on the pair path
   // (run_task_pairs), and so does an 8-bit pool under a bfloat16 model (`bf16_model`: its
   // blocks rounded to bfloat16, as a bfloat16 pool would hold them); other pools, or a CPU
   // without those instructions, run the float path.
-  constexpr bool PAIR_TYPE = RADIXSERVE_BF16_DOT && (std::is_same_v<KT, at::BFloat16> || sizeof(KT) == 1);
+  constexpr bool PAIR_TYPE =
+      RADIXSERVE_BF16_DOT && (std::is_same_v<KT, at::BFloat16> || sizeof(KT) == 1);
   const bool pairs = PAIR_TYPE && (std::is_same_v<KT, at::BFloat16> || bf16_model);
   const int64_t per_task = std::max<int64_t>(1, (pairs ? pair_rows<D>() : MAX_ROWS) / group);
   // Tasks (job, first entry), heaviest first (keys read x rows), handed out one at a time
@@ -864,8 +879,9 @@ void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, con
         const int64_t rows = (task.e1 - task.e0) * group;
         if (rows <= 4) {  // one chunk of exactly the task's rows (no padded row's products)
           const auto run = [&](auto chunk) {
-            run_task_pairs<QT, KT, D, decltype(chunk)::value>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group,
-                                                              scaling, task.job, kvh, task.e0, task.e1, part, lse);
+            run_task_pairs<QT, KT, D, decltype(chunk)::value>(plan, q, kp, vp, ks, vs, num_heads,
+                                                              num_kv, group, scaling, task.job, kvh,
+                                                              task.e0, task.e1, part, lse);
           };
           switch (rows) {
             case 1: run(std::integral_constant<int, 1>{}); break;
@@ -874,14 +890,14 @@ void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, con
             default: run(std::integral_constant<int, 4>{}); break;
           }
         } else {
-          run_task_pairs<QT, KT, D, 8>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling, task.job, kvh,
-                                       task.e0, task.e1, part, lse);
+          run_task_pairs<QT, KT, D, 8>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling,
+                                       task.job, kvh, task.e0, task.e1, part, lse);
         }
         return;
       }
     }
-    run_task<QT, KT, D>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling, task.job, kvh, task.e0, task.e1,
-                        part, lse);
+    run_task<QT, KT, D>(plan, q, kp, vp, ks, vs, num_heads, num_kv, group, scaling, task.job, kvh,
+                        task.e0, task.e1, part, lse);
   };
   // With at least two tasks a thread, a unit is a task's every KV head, one after the other: a
   // key's K (and V) rows of all heads lie side by side in the pool, so the heads after the first
@@ -894,21 +910,31 @@ void run_jobs(const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp, con
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t u = next.fetch_add(1); u < n_units; u = next.fetch_add(1)) {
-      for (int64_t t = u * per_unit; t < (u + 1) * per_unit; ++t) run_one(tasks[t / num_kv], t % num_kv);
+      for (int64_t t = u * per_unit; t < (u + 1) * per_unit; ++t)
+        run_one(tasks[t / num_kv], t % num_kv);
     }
   });
 }
 
 template <typename QT, typename KT>
 void dispatch_dim(int64_t head_dim, const Plan& plan, int64_t num_jobs, const QT* q, const KT* kp,
-                  const KT* vp, const at::Half* ks, const at::Half* vs, int64_t num_heads, int64_t num_kv,
-                  float scaling, bool bf16_model, float* part, float* lse) {
+                  const KT* vp, const at::Half* ks, const at::Half* vs, int64_t num_heads,
+                  int64_t num_kv, float scaling, bool bf16_model, float* part, float* lse) {
   switch (head_dim) {
-    case 16: return run_jobs<QT, KT, 16>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, bf16_model, part, lse);
-    case 32: return run_jobs<QT, KT, 32>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, bf16_model, part, lse);
-    case 64: return run_jobs<QT, KT, 64>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, bf16_model, part, lse);
-    case 128: return run_jobs<QT, KT, 128>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling, bf16_model, part, lse);
-    default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " not in {16, 32, 64, 128}");
+    case 16:
+      return run_jobs<QT, KT, 16>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling,
+                                  bf16_model, part, lse);
+    case 32:
+      return run_jobs<QT, KT, 32>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling,
+                                  bf16_model, part, lse);
+    case 64:
+      return run_jobs<QT, KT, 64>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling,
+                                  bf16_model, part, lse);
+    case 128:
+      return run_jobs<QT, KT, 128>(plan, num_jobs, q, kp, vp, ks, vs, num_heads, num_kv, scaling,
+                                   bf16_model, part, lse);
+    default:
+      TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " not in {16, 32, 64, 128}");
   }
 }
 
@@ -946,7 +972,8 @@ void merge_rows(const float* part, const float* lse, const int64_t* row_entry_pt
           std::copy(src, src + head_dim, buf.begin());
         } else {
           float top = NEG;
-          for (int64_t p = p0; p < p1; ++p) top = std::max(top, lse[row_entries[p] * num_heads + h]);
+          for (int64_t p = p0; p < p1; ++p)
+            top = std::max(top, lse[row_entries[p] * num_heads + h]);
           float total = 0.f;
           std::fill(buf.begin(), buf.end(), 0.f);
           for (int64_t p = p0; p < p1; ++p) {
@@ -971,20 +998,22 @@ void merge_rows(const float* part, const float* lse, const int64_t* row_entry_pt
 // q: [T, H, D]; k_pool, v_pool: [S, KV, D]; k_scale, v_scale: [S, KV] float16 for an int8 pool,
 // empty otherwise; table: [R, C] int32; plan tensors int64 (see top); rotated: an 8-bit pool
 // whose K/V are stored in the Hadamard basis.  Returns [T, H, D] in q's dtype.
-at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
-                              at::Tensor k_scale, at::Tensor v_scale, at::Tensor table, at::Tensor job_row,
-                              at::Tensor job_kv_begin, at::Tensor job_entry_ptr,
-                              at::Tensor entry_row, at::Tensor entry_limit,
-                              at::Tensor row_entry_ptr, at::Tensor row_entries,
-                              double scaling, bool rotated) {
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q/k_pool/v_pool must be 3-D");
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
+                           at::Tensor v_scale, at::Tensor table, at::Tensor job_row,
+                           at::Tensor job_kv_begin, at::Tensor job_entry_ptr, at::Tensor entry_row,
+                           at::Tensor entry_limit, at::Tensor row_entry_ptr, at::Tensor row_entries,
+                           double scaling, bool rotated) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
+              "q/k_pool/v_pool must be 3-D");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "q, k_pool and v_pool must be contiguous");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "k_pool and v_pool dtypes differ");
-  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous(), "table must be contiguous int32");
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous(),
+              "table must be contiguous int32");
   for (const auto* t : {&job_row, &job_kv_begin, &job_entry_ptr, &entry_row, &entry_limit,
                         &row_entry_ptr, &row_entries}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "plan tensors must be contiguous int64");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "plan tensors must be contiguous int64");
   }
   const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv = k_pool.size(1);
@@ -1004,7 +1033,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   const float scale = static_cast<float>(scaling);
 
   const auto kv_type = k_pool.scalar_type();
-  TORCH_CHECK(!rotated || (kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2),
+  TORCH_CHECK(!rotated || (kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn ||
+                           kv_type == at::kFloat8_e5m2),
               "paged_attention: only an 8-bit pool is rotated");
   if (kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2) {
     // An 8-bit pool: float32 queries (one instantiation per pool type), outputs in q's dtype;
@@ -1025,8 +1055,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
     // output comes out as H o, turned back by H as the rows are merged.
     auto qf = at::empty(q.sizes(), q.options().dtype(at::kFloat));
     auto out = at::empty_like(q);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_q", [&] {
-      float_rows<scalar_t>(q.data_ptr<scalar_t>(), num_rows * num_heads, head_dim, rotated, qf.data_ptr<float>());
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_q", [&] {
+      float_rows<scalar_t>(q.data_ptr<scalar_t>(), num_rows * num_heads, head_dim, rotated,
+                           qf.data_ptr<float>());
     });
     const float* qp = qf.data_ptr<float>();
     const void* kp = k_pool.data_ptr();
@@ -1037,17 +1069,20 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                   bf16_model, part.data_ptr<float>(), lse.data_ptr<float>());
     } else if (kv_type == at::kFloat8_e4m3fn) {
       dispatch_dim<float, Fp8E4M3>(head_dim, plan, num_jobs, qp, static_cast<const Fp8E4M3*>(kp),
-                                   static_cast<const Fp8E4M3*>(vp), nullptr, nullptr, num_heads, num_kv,
-                                   scale, bf16_model, part.data_ptr<float>(), lse.data_ptr<float>());
+                                   static_cast<const Fp8E4M3*>(vp), nullptr, nullptr, num_heads,
+                                   num_kv, scale, bf16_model, part.data_ptr<float>(),
+                                   lse.data_ptr<float>());
     } else {
       dispatch_dim<float, Fp8E5M2>(head_dim, plan, num_jobs, qp, static_cast<const Fp8E5M2*>(kp),
-                                   static_cast<const Fp8E5M2*>(vp), nullptr, nullptr, num_heads, num_kv,
-                                   scale, bf16_model, part.data_ptr<float>(), lse.data_ptr<float>());
+                                   static_cast<const Fp8E5M2*>(vp), nullptr, nullptr, num_heads,
+                                   num_kv, scale, bf16_model, part.data_ptr<float>(),
+                                   lse.data_ptr<float>());
     }
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_out", [&] {
-      merge_rows<scalar_t>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
-                           row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, rotated,
-                           out.data_ptr<scalar_t>());
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_out", [&] {
+      merge_rows<scalar_t>(part.data_ptr<float>(), lse.data_ptr<float>(),
+                           row_entry_ptr.data_ptr<int64_t>(), row_entries.data_ptr<int64_t>(),
+                           num_rows, num_heads, head_dim, rotated, out.data_ptr<scalar_t>());
     });
     return out;
   }
@@ -1056,13 +1091,15 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   // instantiated otherwise, quadrupling the build for combinations the runtime never makes.
   auto qk = q.scalar_type() == k_pool.scalar_type() ? q : q.to(k_pool.scalar_type());
   auto out = at::empty_like(qk);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_pool.scalar_type(), "paged_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, k_pool.scalar_type(), "paged_attention", [&] {
     using T = scalar_t;
-    dispatch_dim<T, T>(head_dim, plan, num_jobs, qk.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(),
-                       nullptr, nullptr, num_heads, num_kv, scale, false, part.data_ptr<float>(),
-                       lse.data_ptr<float>());
+    dispatch_dim<T, T>(head_dim, plan, num_jobs, qk.data_ptr<T>(), k_pool.data_ptr<T>(),
+                       v_pool.data_ptr<T>(), nullptr, nullptr, num_heads, num_kv, scale, false,
+                       part.data_ptr<float>(), lse.data_ptr<float>());
     merge_rows<T>(part.data_ptr<float>(), lse.data_ptr<float>(), row_entry_ptr.data_ptr<int64_t>(),
-                  row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, false, out.data_ptr<T>());
+                  row_entries.data_ptr<int64_t>(), num_rows, num_heads, head_dim, false,
+                  out.data_ptr<T>());
   });
   if (qk.scalar_type() != q.scalar_type()) return out.to(q.scalar_type());
   return out;

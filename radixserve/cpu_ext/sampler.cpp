@@ -2,9 +2,10 @@
 //
 // The torch path of sampler.py takes each filtered row's 256 most likely tokens by topk, runs
 // ~30 small ops over them and reruns the whole batch with 4096 candidates where 256 fall short,
-// a noticeable share of a one-row decode step.  Here a row is one pass that scales its logits and finds their maximum, one that takes
-// e_i = exp(s_i - max) and their sum, and passes that count the tokens with e_i >= t (and their
-// mass) for t = 1/2, 1/4, ... until those tokens must hold the kept prefix; only they are sorted.
+// a noticeable share of a one-row decode step.  Here a row is one pass that scales its logits and
+// finds their maximum, one that takes e_i = exp(s_i - max) and their sum, and passes that count the
+// tokens with e_i >= t (and their mass) for t = 1/2, 1/4, ... until those tokens must hold the kept
+// prefix; only they are sorted.
 //
 // The filters are sampler.py's, in e-space (e_i / sum is the probability): top-k keeps the k
 // largest; top-p the smallest prefix (in descending order) whose mass reaches top_p of what
@@ -187,7 +188,8 @@ int64_t kept_prefix(const std::vector<std::pair<float, int32_t>>& cand, int64_t 
   // confident row (one token over top_p) stops at its first threshold.
   const bool next_cut = kept == size && ((k.min_p > 0.f && t <= k.min_p) ||
                                          (k.top_p < 1.f && !top_k_on && sum > k.top_p * total));
-  const bool complete = kept < size || next_cut || size >= n_above_zero || (top_k_on && size >= k.top_k);
+  const bool complete =
+      kept < size || next_cut || size >= n_above_zero || (top_k_on && size >= k.top_k);
   return complete ? std::max<int64_t>(kept, 1) : -1;
 }
 
@@ -223,7 +225,8 @@ int64_t draw_filtered(const float* e, int64_t n, int64_t n_above_zero, const Kno
       t = lower(t);
       continue;
     }
-    if (kept < 0) kept = static_cast<int64_t>(cand.size());  // every token a candidate: all there is
+    // every token a candidate: all there is
+    if (kept < 0) kept = static_cast<int64_t>(cand.size());
     if (kept == 0) return 0;
     const float target = u * run[kept - 1];
     const auto at = std::upper_bound(run.begin(), run.begin() + kept, target) - run.begin();
@@ -277,18 +280,22 @@ int64_t argmax_row(const float* x, int64_t n) {
 
 }  // namespace
 
-at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatures, at::Tensor top_ks,
-                       at::Tensor top_ps, at::Tensor min_ps, at::Tensor seeds, at::Tensor steps) {
+at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatures,
+                       at::Tensor top_ks, at::Tensor top_ps, at::Tensor min_ps, at::Tensor seeds,
+                       at::Tensor steps) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
               "logits must be a contiguous float32 [B, V] tensor");
   const int64_t batch = logits.size(0), n = logits.size(1);
   for (const at::Tensor* t : {&temperatures, &top_ps, &min_ps})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == batch && t->scalar_type() == at::kFloat && t->is_contiguous(),
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == batch && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous(),
                 "per-row float32 knobs must be [B]");
   for (const at::Tensor* t : {&top_ks, &seeds, &steps})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == batch && t->scalar_type() == at::kLong && t->is_contiguous(),
-                "per-row int64 knobs must be [B]");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows must be int64 [S]");
+    TORCH_CHECK(
+        t->dim() == 1 && t->size(0) == batch && t->scalar_type() == at::kLong && t->is_contiguous(),
+        "per-row int64 knobs must be [B]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "rows must be int64 [S]");
   const bool all = rows.numel() == 0;
   const int64_t count = all ? batch : rows.size(0);
   const int64_t* row_ids = rows.data_ptr<int64_t>();
@@ -296,8 +303,10 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatur
     TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < batch, "row index out of range");
   at::Tensor out = at::empty({count}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
-  const float *temp = temperatures.data_ptr<float>(), *tp = top_ps.data_ptr<float>(), *mp = min_ps.data_ptr<float>();
-  const int64_t *tk = top_ks.data_ptr<int64_t>(), *seed = seeds.data_ptr<int64_t>(), *step = steps.data_ptr<int64_t>();
+  const float *temp = temperatures.data_ptr<float>(), *tp = top_ps.data_ptr<float>(),
+              *mp = min_ps.data_ptr<float>();
+  const int64_t *tk = top_ks.data_ptr<int64_t>(), *seed = seeds.data_ptr<int64_t>(),
+                *step = steps.data_ptr<int64_t>();
   int64_t* ids = out.data_ptr<int64_t>();
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> e, run;
@@ -309,7 +318,8 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatur
       const float u = counter_uniform(seed[b], step[b]);
       const Knobs knobs{std::clamp<int64_t>(tk[b], 1, n), tp[b], mp[b], weights.total};
       const bool filtered = knobs.top_k < n || knobs.top_p < 1.f || knobs.min_p > 0.f;
-      ids[r] = filtered ? draw_filtered(e.data(), n, weights.weighted, knobs, u, cand, run) : draw_plain(e.data(), n, u, run);
+      ids[r] = filtered ? draw_filtered(e.data(), n, weights.weighted, knobs, u, cand, run)
+                        : draw_plain(e.data(), n, u, run);
     }
   });
   return out;
@@ -318,7 +328,8 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatur
 // argmax_row of every row of logits [B, V] float32: torch.argmax(dim=-1) without its scalar loop
 // (torch's CPU argmax is a scalar loop, and a greedy row's sampling step is that argmax alone).
 at::Tensor argmax_rows(at::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat &&
+                  logits.size(1) > 0,
               "logits must be a contiguous float32 [B, V] tensor, V > 0");
   const int64_t batch = logits.size(0), n = logits.size(1);
   at::Tensor out = at::empty({batch}, logits.options().dtype(at::kLong));

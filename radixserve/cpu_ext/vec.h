@@ -120,7 +120,8 @@ inline float lane_sum(vf a) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)a);
 #elif defined(__AVX__)
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+  const __m128 h =
+      _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 #else

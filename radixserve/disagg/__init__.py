@@ -17,8 +17,9 @@ host and bootstrap port, and a random room number naming the request on both.
 
 Transfer: ZeroMQ over TCP (a ROUTER on the prefill's bootstrap port, a DEALER per prefill worker
 on the decode side), or with ``--disaggregation-transfer-backend nixl`` on both, a NIXL write
-from the prefill worker's pool straight into the decode worker's slots (``nixl.py``).  Every failure ends the request on both sides with an error and frees its
-slots: a timeout (``--disaggregation-timeout``), a peer that goes away (the decode side watches
-its connections; the prefill side cannot route to a gone peer), a room already in use, prompts
-that differ, KV layouts that differ.  ``scheduler.DisaggScheduler`` joins this to the step loop.
+from the prefill worker's pool straight into the decode worker's slots (``nixl.py``).  Every
+failure ends the request on both sides with an error and frees its slots: a timeout
+(``--disaggregation-timeout``), a peer that goes away (the decode side watches its connections;
+the prefill side cannot route to a gone peer), a room already in use, prompts that differ, KV
+layouts that differ.  ``scheduler.DisaggScheduler`` joins this to the step loop.
 """

@@ -59,7 +59,9 @@ class Failed:
 
 
 class DecodeSide:
-    def __init__(self, timeout_s: float, layout: str, bytes_per_token: int, nixl: NixlEnd | None = None) -> None:
+    def __init__(
+        self, timeout_s: float, layout: str, bytes_per_token: int, nixl: NixlEnd | None = None
+    ) -> None:
         self.timeout_s = timeout_s
         self.bytes_per_token = bytes_per_token
         self.layout = layout
@@ -73,7 +75,14 @@ class DecodeSide:
         # Requests that ended while a NIXL write into their slots may be under way: the slots
         # stay theirs until the prefill worker answers for the room (or the timeout).
         self.held: dict[tuple[str, str], Transfer] = {}
-        self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "wait_s": 0.0, "wire_s": 0.0, "write_s": 0.0}
+        self.stats = {
+            "transfers": 0,
+            "failed": 0,
+            "bytes": 0,
+            "wait_s": 0.0,
+            "wire_s": 0.0,
+            "write_s": 0.0,
+        }
 
     @property
     def busy(self) -> bool:
@@ -93,7 +102,10 @@ class DecodeSide:
         try:
             self._socket(key[0])
         except zmq.ZMQError as e:
-            return f"bootstrap_host {req.bootstrap.host!r} and bootstrap_port {req.bootstrap.port} are no address: {e}"
+            return (
+                f"bootstrap_host {req.bootstrap.host!r} and bootstrap_port {req.bootstrap.port} "
+                f"are no address: {e}"
+            )
         self.queue.append(req)
         self.queued_at[req.rid] = time.monotonic()
         return None
@@ -106,8 +118,17 @@ class DecodeSide:
         self.queued_at.pop(req.rid, None)
         ep, room = self.key(req)
         target = self.nixl.target(slots) if self.nixl is not None else None
-        if not self._send(ep, KVWant(room=room, have=req.kv.cached_len, length=req.prompt_len,
-                                     digest=prompt_digest(req.prompt_ids), layout=self.layout, nixl=target)):
+        if not self._send(
+            ep,
+            KVWant(
+                room=room,
+                have=req.kv.cached_len,
+                length=req.prompt_len,
+                digest=prompt_digest(req.prompt_ids),
+                layout=self.layout,
+                nixl=target,
+            ),
+        ):
             return False
         self.inflight[(ep, room)] = Transfer(req, ep, time.monotonic())
         return True
@@ -158,14 +179,26 @@ class DecodeSide:
                 self._send(key[0], KVDrop(room=key[1], reason="timed out"))
                 if self.nixl is not None:
                     self.held[key] = Transfer(t.req, t.endpoint, now)
-                failed.append(Failed(t.req, f"no KV arrived from the prefill worker at {key[0]} for "
-                                            f"bootstrap_room {key[1]} within {self.timeout_s:g} s", 504,
-                                     hold=self.nixl is not None))
+                failed.append(
+                    Failed(
+                        t.req,
+                        f"no KV arrived from the prefill worker at {key[0]} for "
+                        f"bootstrap_room {key[1]} within {self.timeout_s:g} s",
+                        504,
+                        hold=self.nixl is not None,
+                    )
+                )
         for req in list(self.queue):
             if now - self.queued_at[req.rid] > self.timeout_s:
                 self.forget(req)
-                failed.append(Failed(req, f"the decode worker had no KV slots for the request within "
-                                          f"{self.timeout_s:g} s", 503))
+                failed.append(
+                    Failed(
+                        req,
+                        f"the decode worker had no KV slots for the request within "
+                        f"{self.timeout_s:g} s",
+                        503,
+                    )
+                )
         for key, t in list(self.held.items()):
             if now - t.since > self.timeout_s:
                 released.append(self.held.pop(key).req)
@@ -191,15 +224,26 @@ class DecodeSide:
         if t is None:
             return  # a room that already ended here (aborted, timed out)
         if isinstance(msg, KVFail):
-            failed.append(Failed(t.req, f"the prefill worker at {ep} failed the request: {msg.reason}",
-                                 msg.status))
+            failed.append(
+                Failed(
+                    t.req,
+                    f"the prefill worker at {ep} failed the request: {msg.reason}",
+                    msg.status,
+                )
+            )
             return
         with warnings.catch_warnings():  # read-only: the pool copies out of it
             warnings.simplefilter("ignore")
-            kv = torch.frombuffer(frames[2].buffer, dtype=torch.uint8) if len(frames) > 2 else torch.empty(0)
+            kv = (
+                torch.frombuffer(frames[2].buffer, dtype=torch.uint8)
+                if len(frames) > 2
+                else torch.empty(0)
+            )
         self.stats["wait_s"] += time.monotonic() - t.since
         self.stats["wire_s"] += max(0.0, time.time() - msg.sent_at)
-        self.stats["bytes"] += kv.numel() if not msg.written else (msg.length - msg.have) * self.bytes_per_token
+        self.stats["bytes"] += (
+            kv.numel() if not msg.written else (msg.length - msg.have) * self.bytes_per_token
+        )
         arrivals.append(Arrival(t, msg, kv))
 
     def ack(self, ep: str, room: str) -> None:
@@ -208,7 +252,8 @@ class DecodeSide:
     def _send(self, ep: str, msg: Any) -> bool:
         try:
             self._socket(ep).send_multipart([b"", m.encode(msg)], zmq.DONTWAIT)
-        except zmq.ZMQError:  # EAGAIN: a thousand messages wait for a prefill worker that reads none
+        # EAGAIN: a thousand messages wait for a prefill worker that reads none
+        except zmq.ZMQError:
             return False
         return True
 
@@ -227,9 +272,16 @@ class DecodeSide:
             for key, t in list(self.inflight.items()):
                 if key[0] == ep:
                     del self.inflight[key]
-                    self.drop(*key, "the connection closed")  # read if the prefill worker comes back
-                    failed.append(Failed(t.req, f"the connection to the prefill worker at {ep} closed "
-                                                "before its KV arrived", 502))
+                    # read if the prefill worker comes back
+                    self.drop(*key, "the connection closed")
+                    failed.append(
+                        Failed(
+                            t.req,
+                            f"the connection to the prefill worker at {ep} closed "
+                            "before its KV arrived",
+                            502,
+                        )
+                    )
 
     def _socket(self, ep: str) -> zmq.Socket:
         sock = self.socks.get(ep)

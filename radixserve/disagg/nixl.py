@@ -35,20 +35,35 @@ class NixlEnd:
         self.name = f"radixserve-{uuid.uuid4().hex[:12]}"
         # No progress thread: it spins a core even when idle.  The step loop drives the
         # progress instead (the writer's state checks, the reader's ``progress``).
-        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.planes = [plane for layer in range(pool.num_layers) for side in pool._planes(layer) for plane in side]
+        self.agent = nixl_agent(
+            self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
+        self.planes = [
+            plane
+            for layer in range(pool.num_layers)
+            for side in pool._planes(layer)
+            for plane in side
+        ]
         self.registered = self.agent.register_memory(self.planes)
         self.mem = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self.device = pool.device.index or 0
         self.bases = np.array([p.data_ptr() for p in self.planes], dtype=np.uint64)
-        self.rows = np.array([p[0].numel() * p.element_size() for p in self.planes], dtype=np.uint64)
+        self.rows = np.array(
+            [p[0].numel() * p.element_size() for p in self.planes], dtype=np.uint64
+        )
         self.remotes: set[str] = set()
-        logger.info("NIXL agent %s: %d KV planes registered (%s)", self.name, len(self.planes), self.mem)
+        logger.info(
+            "NIXL agent %s: %d KV planes registered (%s)", self.name, len(self.planes), self.mem
+        )
 
     def target(self, slots: np.ndarray) -> NixlTarget:
         """What a want carries: where the prefill worker writes ``slots``' K and V."""
-        return NixlTarget(agent=self.name, metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                          bases=[int(b) for b in self.bases], slots=[int(s) for s in slots])
+        return NixlTarget(
+            agent=self.name,
+            metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            bases=[int(b) for b in self.bases],
+            slots=[int(s) for s in slots],
+        )
 
     def write(self, src_slots: np.ndarray, target: NixlTarget, notif: str) -> Any:
         """Post the WRITE of ``src_slots`` into the target's slots; its handle."""
@@ -60,15 +75,21 @@ class NixlEnd:
         if len(src) != len(dst) or len(target.bases) != len(self.bases):
             raise ValueError("the decode worker's NIXL target does not match this pool")
         # runs of slots consecutive on both sides
-        breaks = np.flatnonzero((np.diff(src.astype(np.int64)) != 1) | (np.diff(dst.astype(np.int64)) != 1)) + 1
+        breaks = np.flatnonzero(
+            (np.diff(src.astype(np.int64)) != 1) | (np.diff(dst.astype(np.int64)) != 1)
+        ) + 1
         starts = np.concatenate(([0], breaks)).astype(np.int64)
         lengths = np.diff(np.concatenate((starts, [len(src)]))).astype(np.uint64)
         remote_bases = np.array(target.bases, dtype=np.uint64)
         local = self._descs(self.bases, src[starts], lengths)
         remote = self._descs(remote_bases, dst[starts], lengths)
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.mem),
-                                            self.agent.get_xfer_descs(remote, self.mem), target.agent,
-                                            notif.encode())
+        handle = self.agent.initialize_xfer(
+            "WRITE",
+            self.agent.get_xfer_descs(local, self.mem),
+            self.agent.get_xfer_descs(remote, self.mem),
+            target.agent,
+            notif.encode(),
+        )
         if self.agent.transfer(handle) == "ERR":
             handle.release()
             raise RuntimeError("NIXL refused the transfer")

@@ -75,7 +75,9 @@ class PrefillSide:
             self.sock.bind(f"tcp://*:{port}")
         except zmq.ZMQError as e:
             self.sock.close(0)
-            raise ValueError(f"cannot listen on the disaggregation bootstrap port {port}: {e}") from None
+            raise ValueError(
+                f"cannot listen on the disaggregation bootstrap port {port}: {e}"
+            ) from None
         self.live: dict[str, Any] = {}  # room -> its request, from arrival until it ends
         self.wants: dict[str, _Want] = {}
         self.parked: dict[str, float] = {}  # prefilled, waiting for its decode worker's want
@@ -91,9 +93,12 @@ class PrefillSide:
         return bool(self.parked or self.sent or self.writing)
 
     def holds(self, req: Any) -> bool:
-        """The request is prefilled and waits here (for its want, its write, its acknowledgement)."""
+        """The request is prefilled and waits here (for its want, its write, its
+        acknowledgement)."""
         room = req.bootstrap.room
-        return self.live.get(room) is req and (room in self.parked or room in self.sent or room in self.writing)
+        return self.live.get(room) is req and (
+            room in self.parked or room in self.sent or room in self.writing
+        )
 
     def claim(self, req: Any) -> tuple[str, int] | None:
         """Take the request's room; the error and status when it cannot have it."""
@@ -142,17 +147,31 @@ class PrefillSide:
                 ended += self._receive(frames[0], frames[2])
         for room in list(self.writing):
             ended += self._check_write(room)
-        for handle in [h for h in self.draining if self.nixl is not None and self.nixl.state(h) != "PROC"]:
+        for handle in [
+            h for h in self.draining if self.nixl is not None and self.nixl.state(h) != "PROC"
+        ]:
             self.draining.remove(handle)
             handle.release()
         for room, since in list(self.parked.items()):
             if now - since > self.timeout_s:
-                ended.append(self._end(room, f"no decode worker asked for the KV of bootstrap_room {room} "
-                                             f"within {self.timeout_s:g} s", 504))
+                ended.append(
+                    self._end(
+                        room,
+                        f"no decode worker asked for the KV of bootstrap_room {room} "
+                        f"within {self.timeout_s:g} s",
+                        504,
+                    )
+                )
         for room, since in list(self.sent.items()):
             if now - since > self.timeout_s:
-                ended.append(self._end(room, f"the decode worker did not acknowledge the KV of bootstrap_room "
-                                             f"{room} within {self.timeout_s:g} s", 504))
+                ended.append(
+                    self._end(
+                        room,
+                        f"the decode worker did not acknowledge the KV of bootstrap_room "
+                        f"{room} within {self.timeout_s:g} s",
+                        504,
+                    )
+                )
         for room, want in list(self.wants.items()):
             if room not in self.live and now - want.since > self.timeout_s:
                 del self.wants[room]  # its prefill request never came; the decode side times out
@@ -179,14 +198,21 @@ class PrefillSide:
                 return [self._end(msg.room, reason, 502)]
             self.wants.pop(msg.room, None)
             self.closed.pop(msg.room, None)  # re-entered at the end: the dict stays in time order
-            self.closed[msg.room] = _Closed(time.monotonic(), reason, 502, before_arrival=True)  # it may come
+            # it may come
+            self.closed[msg.room] = _Closed(time.monotonic(), reason, 502, before_arrival=True)
         return []
 
     def _want(self, peer: bytes, msg: KVWant) -> list[Ended]:
         held = self.wants.get(msg.room)
         if held is not None and held.peer != peer:
-            self._send(peer, KVFail(room=msg.room, reason=f"bootstrap_room {msg.room} is already claimed by "
-                                                          "another decode worker", status=400))
+            self._send(
+                peer,
+                KVFail(
+                    room=msg.room,
+                    reason=f"bootstrap_room {msg.room} is already claimed by another decode worker",
+                    status=400,
+                ),
+            )
             return []
         closed = self.closed.get(msg.room) if msg.room not in self.live else None
         if closed is not None:
@@ -204,8 +230,10 @@ class PrefillSide:
         req = self.live[room]
         msg = want.msg
         if msg.length != req.prompt_len or msg.digest != prompt_digest(req.prompt_ids):
-            reason = (f"the decode worker's prompt ({msg.length} tokens) differs from the prefill worker's "
-                      f"({req.prompt_len}): both must serve the same model and chat template")
+            reason = (
+                f"the decode worker's prompt ({msg.length} tokens) differs from the prefill "
+                f"worker's ({req.prompt_len}): both must serve the same model and chat template"
+            )
             self._send(want.peer, KVFail(room=room, reason=reason, status=400))
             return [self._end(room, reason, 400)]
         t0 = time.perf_counter()
@@ -218,13 +246,16 @@ class PrefillSide:
                         top_logprobs=[float(x) for _, x in top] if lp else None,
                         prefill_s=time.monotonic() - self.arrival[room])
         del self.parked[room]
-        if self.nixl is not None and msg.nixl is not None:  # both ends have NIXL: write into its slots
+        # both ends have NIXL: write into its slots
+        if self.nixl is not None and msg.nixl is not None:
             try:
                 handle = self.nixl.write(slots, msg.nixl, room)
             except (RuntimeError, ValueError) as e:
                 self._send(want.peer, KVFail(room=room, reason=f"the NIXL transfer failed: {e}"))
                 return [self._end(room, f"the NIXL transfer failed: {e}", 502)]
-            self.writing[room] = _Write(handle, want.peer, header, t0, len(slots) * self.pool.bytes_per_token)
+            self.writing[room] = _Write(
+                handle, want.peer, header, t0, len(slots) * self.pool.bytes_per_token
+            )
             return self._check_write(room)
         payload = self.pool.gather(slots).cpu().numpy()
         header.sent_at = time.time()
@@ -257,7 +288,10 @@ class PrefillSide:
         self.sent[room] = time.monotonic()
 
     def _send(self, peer: bytes, msg: Any, payload: Any = None) -> bool:
-        frames = [peer, b"", m.encode(msg)] + ([memoryview(payload).cast("B")] if payload is not None else [])
+        frames = (
+            [peer, b"", m.encode(msg)]
+            + ([memoryview(payload).cast("B")] if payload is not None else [])
+        )
         try:
             self.sock.send_multipart(frames, zmq.DONTWAIT, copy=payload is None)
         except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; EAGAIN: it reads nothing
@@ -271,7 +305,9 @@ class PrefillSide:
         write = self.writing.pop(room, None)
         if write is not None:  # ended mid-write (aborted): released once NIXL is done with it
             self.draining.append(write.handle)
-        self.closed[room] = _Closed(time.monotonic(), reason or f"bootstrap_room {room} was served already", status)
+        self.closed[room] = _Closed(
+            time.monotonic(), reason or f"bootstrap_room {room} was served already", status
+        )
         return req
 
     def _end(self, room: str, error: str | None, status: int = 504) -> Ended:

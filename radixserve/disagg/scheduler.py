@@ -23,7 +23,9 @@ from radixserve.scheduler.scheduler import Scheduler
 
 
 class DisaggScheduler(Scheduler):
-    def __init__(self, args: ServerArgs, model: torch.nn.Module, model_config: Any, tokenizer: Any | None) -> None:
+    def __init__(
+        self, args: ServerArgs, model: torch.nn.Module, model_config: Any, tokenizer: Any | None
+    ) -> None:
         super().__init__(args, model, model_config, tokenizer)
         pool = self.runner.kv_pool
         layout = pool_layout(pool, self.page_size)
@@ -31,10 +33,18 @@ class DisaggScheduler(Scheduler):
         self.decode_side: DecodeSide | None = None
         nixl = NixlEnd(pool) if args.disaggregation_transfer_backend == "nixl" else None
         if args.disaggregation_mode == "prefill":
-            self.prefill_side = PrefillSide(args.disaggregation_bootstrap_port, args.disaggregation_timeout,
-                                            pool, self.req_pool, layout, nixl)
+            self.prefill_side = PrefillSide(
+                args.disaggregation_bootstrap_port,
+                args.disaggregation_timeout,
+                pool,
+                self.req_pool,
+                layout,
+                nixl,
+            )
         else:
-            self.decode_side = DecodeSide(args.disaggregation_timeout, layout, pool.bytes_per_token, nixl)
+            self.decode_side = DecodeSide(
+                args.disaggregation_timeout, layout, pool.bytes_per_token, nixl
+            )
         self._idle_step = False  # the last step computed nothing and sent nothing
 
     # ---- requests in -------------------------------------------------------------------
@@ -51,7 +61,9 @@ class DisaggScheduler(Scheduler):
         if self.prefill_side is not None:
             # the prefill samples the first token; the decode worker samples the rest
             p = req.params
-            req.params = dataclasses.replace(p, max_new_tokens=1, min_new_tokens=min(p.min_new_tokens, 1))
+            req.params = dataclasses.replace(
+                p, max_new_tokens=1, min_new_tokens=min(p.min_new_tokens, 1)
+            )
             refused = self.prefill_side.claim(req)
             if refused is None:
                 self.waiting.append(req)
@@ -59,9 +71,11 @@ class DisaggScheduler(Scheduler):
             assert self.decode_side is not None
             error = self.decode_side.claim(req)  # it waits for its KV there
             refused = None if error is None else (error, 400)
-            if req.prompt_logprobs is not None:  # the prefill worker's answer carries them (smg merges)
-                req.prompt_logprobs = PromptLogprobs.for_request(True, req.prompt_len, req.prompt_len,
-                                                                 req.top_logprobs_num)
+            # the prefill worker's answer carries them (smg merges)
+            if req.prompt_logprobs is not None:
+                req.prompt_logprobs = PromptLogprobs.for_request(
+                    True, req.prompt_len, req.prompt_len, req.top_logprobs_num
+                )
         if refused is not None:
             del self.reqs[req.rid]
             return ErrorOut(rid=msg.rid, message=refused[0], status=refused[1])
@@ -119,7 +133,11 @@ class DisaggScheduler(Scheduler):
         return out
 
     def _finish(self, req: Req, finished: list[Req]) -> None:
-        if self.prefill_side is not None and req.bootstrap is not None and req.finish_reason.type != "abort":
+        if (
+            self.prefill_side is not None
+            and req.bootstrap is not None
+            and req.finish_reason.type != "abort"
+        ):
             self._settle(self.prefill_side.prefilled(req))  # finished once its KV is acknowledged
             return
         super()._finish(req, finished)
@@ -142,7 +160,9 @@ class DisaggScheduler(Scheduler):
         """Answer the request with an error; its computed prompt stays in the tree.  Without
         ``release`` its slots stay reserved (the decode side frees them later)."""
         if release:
-            self.kv.release(req, cache=self.prefill_side is not None and req.kv.computed_len >= req.prompt_len)
+            self.kv.release(
+                req, cache=self.prefill_side is not None and req.kv.computed_len >= req.prompt_len
+            )
         req.finish_reason = FinishReason("abort")
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
@@ -183,9 +203,15 @@ class DisaggScheduler(Scheduler):
             req.queue_time = time.perf_counter() - req.arrival_time
             self.stats.prompt_tokens += req.prompt_len
             self.stats.cached_tokens += req.kv.cached_len
-            if not self.decode_side.want(req, self.req_pool.read(req.kv.row, req.kv.cached_len, req.prompt_len)):
-                self._fail(req, f"the prefill worker at {self.decode_side.key(req)[0]} reads no requests "
-                                "(its queue is full)", 502)
+            if not self.decode_side.want(
+                req, self.req_pool.read(req.kv.row, req.kv.cached_len, req.prompt_len)
+            ):
+                self._fail(
+                    req,
+                    f"the prefill worker at {self.decode_side.key(req)[0]} reads no requests "
+                    "(its queue is full)",
+                    502,
+                )
 
     def _take_kv(self, arrival: Arrival) -> None:
         """The prompt's KV arrived: write it, take the first token, decode from here on."""
@@ -194,9 +220,15 @@ class DisaggScheduler(Scheduler):
         req, data = arrival.transfer.req, arrival.data
         pool = self.runner.kv_pool
         n = data.length - data.have
-        if data.have != req.kv.cached_len or data.length != req.prompt_len \
-                or arrival.kv.numel() != (0 if data.written else 2 * pool.num_layers * n * pool.slot_bytes):
-            self.decode_side.drop(arrival.transfer.endpoint, data.room, "KV of another shape than asked")
+        if (
+            data.have != req.kv.cached_len
+            or data.length != req.prompt_len
+            or arrival.kv.numel()
+            != (0 if data.written else 2 * pool.num_layers * n * pool.slot_bytes)
+        ):
+            self.decode_side.drop(
+                arrival.transfer.endpoint, data.room, "KV of another shape than asked"
+            )
             self._fail(req, "the prefill worker sent KV of another shape than asked", 502)
             return
         if not data.written:  # else it is in the slots already (NIXL)
@@ -220,7 +252,9 @@ class DisaggScheduler(Scheduler):
 
     def live_requests(self) -> list[Req]:
         """With the ended requests whose slots a NIXL write may still reach."""
-        held = [t.req for t in self.decode_side.held.values()] if self.decode_side is not None else []
+        held = (
+            [t.req for t in self.decode_side.held.values()] if self.decode_side is not None else []
+        )
         return [*super().live_requests(), *held]
 
     def get_stats(self) -> dict[str, Any]:
@@ -238,7 +272,10 @@ class DisaggScheduler(Scheduler):
         assert side is not None
         s: dict[str, Any] = {"mode": self.args.disaggregation_mode, **side.stats}
         if self.decode_side is not None:
-            s["queued"], s["in_flight"] = len(self.decode_side.queue), len(self.decode_side.inflight)
+            s["queued"], s["in_flight"] = (
+                len(self.decode_side.queue),
+                len(self.decode_side.inflight),
+            )
         else:
             assert self.prefill_side is not None
             s["waiting_for_decode"] = len(self.prefill_side.parked)

@@ -46,7 +46,9 @@ class TensorParallel:
             raise ValueError(f"{n} {what} cannot be split over {self.size} tensor-parallel ranks")
         return split_range(n, self.size, self.rank)
 
-    def head_ranges(self, num_heads: int, num_kv_heads: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    def head_ranges(
+        self, num_heads: int, num_kv_heads: int
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
         """This rank's query heads ``[qs, qe)`` and KV heads ``[ks, ke)``.
 
         With at least as many KV heads as ranks, the KV heads are split (unevenly if they must:
@@ -77,7 +79,9 @@ class TensorParallel:
             try:
                 dist.all_reduce(x)
             except RuntimeError as e:
-                raise TensorParallelError(f"tensor-parallel all-reduce failed on rank {self.rank}: {e}") from e
+                raise TensorParallelError(
+                    f"tensor-parallel all-reduce failed on rank {self.rank}: {e}"
+                ) from e
         return x
 
     def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -88,7 +92,9 @@ class TensorParallel:
         width = split_range(vocab_size, self.size, 0)[1]  # rank 0 has the widest part
         padded = x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
         padded = padded.contiguous()
-        widths = [b - a for a, b in (split_range(vocab_size, self.size, r) for r in range(self.size))]
+        widths = [
+            b - a for a, b in (split_range(vocab_size, self.size, r) for r in range(self.size))
+        ]
         if self.shm is not None and self.shm.fits(padded):
             stacked = self.shm.gather(padded)
             if stacked is None:
@@ -101,7 +107,9 @@ class TensorParallel:
             parts = [torch.empty_like(padded) for _ in range(self.size)]
             dist.gather(padded, parts, dst=0)
         except RuntimeError as e:
-            raise TensorParallelError(f"tensor-parallel gather failed on rank {self.rank}: {e}") from e
+            raise TensorParallelError(
+                f"tensor-parallel gather failed on rank {self.rank}: {e}"
+            ) from e
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
 
 

@@ -51,7 +51,9 @@ class ShmCollectives:
     """Rank ``rank`` of ``size``'s view of the shared file at ``path`` (every rank opens the
     same path; rank 0 creates it first, and removes it once all have mapped it)."""
 
-    def __init__(self, path: str, rank: int, size: int, timeout_s: float, slot_bytes: int = SLOT_BYTES) -> None:
+    def __init__(
+        self, path: str, rank: int, size: int, timeout_s: float, slot_bytes: int = SLOT_BYTES
+    ) -> None:
         if size * 16 > HEADER_BYTES:
             raise ValueError(f"{size} ranks do not fit the shared-memory header")
         self.rank, self.size, self.slot_bytes, self.timeout_s = rank, size, slot_bytes, timeout_s

@@ -32,7 +32,10 @@ class StepBatch:
     _DTYPES = (np.int64, np.int64, np.int64, np.int64, np.int32, np.int64)
 
     def encode(self) -> list[bytes]:
-        arrays = [np.ascontiguousarray(getattr(self, f), dtype=d) for f, d in zip(self._FIELDS, self._DTYPES, strict=True)]
+        arrays = [
+            np.ascontiguousarray(getattr(self, f), dtype=d)
+            for f, d in zip(self._FIELDS, self._DTYPES, strict=True)
+        ]
         header = orjson.dumps([len(a) for a in arrays])
         return [FORWARD, header, *(a.tobytes() for a in arrays)]
 
@@ -67,4 +70,6 @@ def pack_rows(table: np.ndarray, rows: list[int], seq_lens: list[int]) -> np.nda
     :attr:`StepBatch.slots`)."""
     if not rows:
         return np.zeros(0, dtype=np.int32)
-    return np.concatenate([table[r, :n] for r, n in zip(rows, seq_lens, strict=True)]).astype(np.int32, copy=False)
+    return np.concatenate(
+        [table[r, :n] for r, n in zip(rows, seq_lens, strict=True)]
+    ).astype(np.int32, copy=False)

@@ -53,8 +53,16 @@ class _StaticInputs:
 class DecodeGraphs:
     """Captured (or, without CUDA, replayed eagerly) decode forwards for batch-size buckets."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any, kv_pool: Any, req_to_token: torch.Tensor,
-                 max_bs: int, max_context_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: Any,
+        kv_pool: Any,
+        req_to_token: torch.Tensor,
+        max_bs: int,
+        max_context_len: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.backend, self.kv_pool = model, backend, kv_pool
         self.req_to_token = req_to_token
         self.device = torch.device(device)
@@ -62,16 +70,29 @@ class DecodeGraphs:
         self.max_bs = self.buckets[-1]
         self.use_cuda_graph = self.device.type == "cuda"
         upload = Upload(self.device)  # (on a CPU each buffer is its array: one array each)
-        staged = [upload.add(np.zeros(self.max_bs)) for _ in range(5)] + [upload.add(np.arange(self.max_bs))]
+        staged = (
+            [upload.add(np.zeros(self.max_bs)) for _ in range(5)]
+            + [upload.add(np.arange(self.max_bs))]
+        )
         upload.send()
-        self.inputs = _StaticInputs(*[s if isinstance(s, torch.Tensor) else s.tensor for s in staged])
+        self.inputs = _StaticInputs(
+            *[s if isinstance(s, torch.Tensor) else s.tensor for s in staged]
+        )
         self.inputs.seq_lens.fill_(1)
         # The backend's per-bucket decode plans over the static inputs; their workspace is
         # allocated here, once, outside any capture.
         layer = model.model.layers[0].self_attn.info  # this rank's heads
-        self.plans = {bs: backend.graph_plan(self.inputs.req_pool_indices[:bs], self.inputs.seq_lens[:bs],
-                                             self.inputs.token_idx[:bs], layer, kv_pool, max_context_len)
-                      for bs in self.buckets}
+        self.plans = {
+            bs: backend.graph_plan(
+                self.inputs.req_pool_indices[:bs],
+                self.inputs.seq_lens[:bs],
+                self.inputs.token_idx[:bs],
+                layer,
+                kv_pool,
+                max_context_len,
+            )
+            for bs in self.buckets
+        }
         self.graphs: dict[int, Any] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0  # graph replays so far (stats and tests)
@@ -81,12 +102,23 @@ class DecodeGraphs:
         """The static forward batch of bucket ``bs`` (host fields are placeholders)."""
         inp = self.inputs
         fb = ForwardBatch(
-            input_ids=inp.input_ids[:bs], positions=inp.positions[:bs], out_cache_loc=inp.out_cache_loc[:bs],
-            req_pool_indices=inp.req_pool_indices[:bs], prefix_lens=None, extend_lens=None,
-            seq_lens=inp.seq_lens[:bs], logits_indices=inp.token_idx[:bs], req_to_token=self.req_to_token,
-            rows_cpu=np.zeros(bs, dtype=np.int64), prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs,
-            table_host=np.zeros((0, 0), dtype=np.int32), num_tokens=bs, kv_pool=self.kv_pool,
-            attn_backend=self.backend, upload=Upload(self.device),
+            input_ids=inp.input_ids[:bs],
+            positions=inp.positions[:bs],
+            out_cache_loc=inp.out_cache_loc[:bs],
+            req_pool_indices=inp.req_pool_indices[:bs],
+            prefix_lens=None,
+            extend_lens=None,
+            seq_lens=inp.seq_lens[:bs],
+            logits_indices=inp.token_idx[:bs],
+            req_to_token=self.req_to_token,
+            rows_cpu=np.zeros(bs, dtype=np.int64),
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
+            table_host=np.zeros((0, 0), dtype=np.int32),
+            num_tokens=bs,
+            kv_pool=self.kv_pool,
+            attn_backend=self.backend,
+            upload=Upload(self.device),
         )
         fb.attn_metadata = self.plans[bs]
         return fb

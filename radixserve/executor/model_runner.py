@@ -63,13 +63,16 @@ class ModelRunner:
     def build_batch(
         self, entries: list[tuple[ReqView, int]], extra_logits: np.ndarray | None = None
     ) -> ForwardBatch:
-        """Entry ``(req, n)`` computes ``fill_ids[computed_len : computed_len + n]`` of ``req``; the forward
-        also returns the logits of the batch tokens ``extra_logits`` (after the last-token rows)."""
+        """Entry ``(req, n)`` computes ``fill_ids[computed_len : computed_len + n]`` of ``req``;
+        the forward also returns the logits of the batch tokens ``extra_logits`` (after the
+        last-token rows)."""
         rows = [r.kv.row for r, _ in entries]
         prefix_lens = [r.kv.computed_len for r, _ in entries]
         extend_lens = [n for _, n in entries]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
-        input_ids = np.concatenate([r.tokens(r.kv.computed_len, r.kv.computed_len + n) for r, n in entries])
+        input_ids = np.concatenate(
+            [r.tokens(r.kv.computed_len, r.kv.computed_len + n) for r, n in entries]
+        )
         # Output slots: row[computed_len + i] for i < n, gathered from the host table in one op.
         row_idx = np.repeat(np.asarray(rows, dtype=np.int64), extend_lens)
         starts = np.cumsum(extend_lens) - np.asarray(extend_lens)
@@ -120,7 +123,8 @@ class ModelRunner:
             extra, select = self._logit_rows(entries, rows, plan, drafts or {})
             fb = self.build_batch(entries, extra)
             targets = None if plan is None else fb.upload.add(plan.targets)
-            staged = None if select is None else fb.upload.add(select)  # travels in the batch's upload
+            # travels in the batch's upload
+            staged = None if select is None else fb.upload.add(select)
             if self.graphs is not None and self.graphs.can_run(fb):
                 fb.send()  # the graph's plan is static: only the batch's arrays are needed
                 logits = self.graphs.replay(fb)
@@ -129,14 +133,20 @@ class ModelRunner:
                 logits = self.model.forward(fb)
             if plan is not None:
                 # Rows [0, B): last new tokens; [B, B + E): the plan's rows, in plan order.
-                prompt_logprobs.record(plan, logits[num_entries : num_entries + plan.num_rows], resolve(targets))
+                prompt_logprobs.record(
+                    plan, logits[num_entries : num_entries + plan.num_rows], resolve(targets)
+                )
             if staged is not None:
                 return logits.index_select(0, resolve(staged))
             return logits[:num_entries]
 
     @staticmethod
-    def _logit_rows(entries: list[tuple[ReqView, int]], rows: list[int], plan: prompt_logprobs.PromptLogprobPlan | None,
-                    drafts: dict[int, int]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _logit_rows(
+        entries: list[tuple[ReqView, int]],
+        rows: list[int],
+        plan: prompt_logprobs.PromptLogprobPlan | None,
+        drafts: dict[int, int],
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The batch's extra LM-head rows (token indices: prompt-logprob rows, then the rows
         before each draft) and the logits rows to return (None: the first B, as they are)."""
         extra = [] if plan is None else [plan.rows]
@@ -149,7 +159,8 @@ class ModelRunner:
         for i in rows:
             k = drafts.get(i, 0)
             if k:
-                # Entry tokens [n - 1 - k, n - 1): the last pending token and all drafts but the last.
+                # Entry tokens [n - 1 - k, n - 1): the last pending token and all drafts but the
+                # last.
                 extra.append(np.arange(ends[i] - 1 - k, ends[i] - 1, dtype=np.int64))
                 select += range(len(entries) + num_extra, len(entries) + num_extra + k)
                 num_extra += k
@@ -157,7 +168,9 @@ class ModelRunner:
         return np.concatenate(extra), np.asarray(select, dtype=np.int64)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[ReqView], drafts: list[list[int]] | None = None) -> SampleOutput:
+    def sample(
+        self, logits: torch.Tensor, reqs: list[ReqView], drafts: list[list[int]] | None = None
+    ) -> SampleOutput:
         """One token per row of ``logits``: a request with ``drafts[i]`` (k tokens) owns ``k + 1``
         consecutive rows, row ``j`` sampled as if ``drafts[i][:j]`` followed its output."""
         with scope(SAMPLING_SCOPE):
@@ -173,6 +186,13 @@ class ModelRunner:
                     outputs.append(r.output_ids + draft[:j] if penalised and j else r.output_ids)
                     logprob.append(r.return_logprob)
                     top_n.append(r.top_logprobs_num)
-            batch = SamplingBatch.build(params=params, seeds=seeds, output_ids=outputs, prompt_ids=prompts,
-                                        vocab_size=self.vocab_size, device=logits.device, steps=steps)
+            batch = SamplingBatch.build(
+                params=params,
+                seeds=seeds,
+                output_ids=outputs,
+                prompt_ids=prompts,
+                vocab_size=self.vocab_size,
+                device=logits.device,
+                steps=steps,
+            )
             return sample(logits, batch, return_logprob=logprob, top_logprobs_num=top_n)

@@ -52,7 +52,8 @@ class PromptLogprobPlan:
 
 
 def plan_rows(entries: list[tuple[ReqView, int]]) -> PromptLogprobPlan | None:
-    """Extra LM-head rows of a forward whose entry ``(req, n)`` computes ``fill_ids[computed_len : computed_len + n]``."""
+    """Extra LM-head rows of a forward whose entry ``(req, n)`` computes
+    ``fill_ids[computed_len : computed_len + n]``."""
     rows: list[np.ndarray] = []
     targets: list[np.ndarray] = []
     owners: list[tuple[ReqView, int]] = []
@@ -62,15 +63,21 @@ def plan_rows(entries: list[tuple[ReqView, int]]) -> PromptLogprobPlan | None:
         if state is not None and state.pending:
             if req.kv.computed_len > state.next_pos:
                 raise RuntimeError(
-                    f"{req!r} skipped prompt positions [{state.next_pos}, {req.kv.computed_len}) whose "
-                    "logits are owed; its prefix match should have stopped there"
+                    f"{req!r} skipped prompt positions [{state.next_pos}, {req.kv.computed_len}) "
+                    "whose logits are owed; its prefix match should have stopped there"
                 )
-            # Positions computed now: [computed_len, computed_len + n).  Owed: [next_pos, prompt_len - 1).
-            # Rows: their intersection, [lo, hi).
+            # Positions computed now: [computed_len, computed_len + n).
+            # Owed: [next_pos, prompt_len - 1).  Rows: their intersection, [lo, hi).
             lo = state.next_pos
             hi = min(req.kv.computed_len + n, state.prompt_len - 1)
             if lo < hi:
-                rows.append(np.arange(offset + lo - req.kv.computed_len, offset + hi - req.kv.computed_len, dtype=np.int64))
+                rows.append(
+                    np.arange(
+                        offset + lo - req.kv.computed_len,
+                        offset + hi - req.kv.computed_len,
+                        dtype=np.int64,
+                    )
+                )
                 targets.append(np.asarray(req.tokens(lo + 1, hi + 1), dtype=np.int64))
                 owners.append((req, hi - lo))
         offset += n

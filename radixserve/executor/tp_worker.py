@@ -112,7 +112,9 @@ class RankRunner:
         self.model.forward(fb)  # its logits go to rank 0 in the final gather
 
 
-def run_tp_worker_process(args: ServerArgs, model_path: str, rank: int, folder: str, ready_pipe: Any) -> None:
+def run_tp_worker_process(
+    args: ServerArgs, model_path: str, rank: int, folder: str, ready_pipe: Any
+) -> None:
     from radixserve.logging_utils import (
         configure_logging,
         exit_on_sigterm,
@@ -134,7 +136,9 @@ def run_tp_worker_process(args: ServerArgs, model_path: str, rank: int, folder: 
         device = rank_device(args.device, rank)
         tp = init_group(rank, args.tp_size, folder, device)
         dtype = getattr(torch, args.dtype)
-        loaded = load_model(model_path, dtype=dtype, device=device, tp=tp, load_format=args.load_format)
+        loaded = load_model(
+            model_path, dtype=dtype, device=device, tp=tp, load_format=args.load_format
+        )
         setup = share_setup(None)
         config = loaded.config
         kv_pool = KVPool(setup["num_slots"], config.num_layers, loaded.model.num_local_kv_heads,

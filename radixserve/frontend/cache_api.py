@@ -30,8 +30,11 @@ def prefix_ids(st: ServerState, body: CachePinRequest) -> list[int]:
     text, param = body.text, "text"
     if body.messages is not None:
         param = "messages"
-        chat = ApplyChatTemplateRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
-                                        chat_template_kwargs=body.chat_template_kwargs)
+        chat = ApplyChatTemplateRequest(
+            messages=body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
         try:
             text = render_without_tools(st.tokenizer, st.args.tool_call_parser, chat)
         except ChatTemplateError as e:

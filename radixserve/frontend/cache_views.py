@@ -36,7 +36,11 @@ def _clip(text: str, head: bool) -> str:
 async def cache_page() -> HTMLResponse:
     """The page itself holds no data: it loads without an API key and asks for one when the
     views it fetches answer 401."""
-    page = resources.files("radixserve.frontend").joinpath("static/cache.html").read_text(encoding="utf-8")
+    page = (
+        resources.files("radixserve.frontend")
+        .joinpath("static/cache.html")
+        .read_text(encoding="utf-8")
+    )
     return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
 
@@ -56,8 +60,12 @@ def pool_numbers(stats: dict[str, Any], page_size: int) -> dict[str, Any]:
 
 
 @router.get("/cache/tree")
-async def cache_tree(request: Request, sort: str = "weight", depth: int | None = Query(None, ge=1, le=1_000_000),
-                     limit: int = Query(50, ge=1, le=10_000)) -> JSONBytesResponse:
+async def cache_tree(
+    request: Request,
+    sort: str = "weight",
+    depth: int | None = Query(None, ge=1, le=1_000_000),
+    limit: int = Query(50, ge=1, le=10_000),
+) -> JSONBytesResponse:
     st: ServerState = request.app.state.server
     result: dict[str, Any] = await st.tm.control("cache_tree", sort=sort, depth=depth, limit=limit)
     if "error" in result:
@@ -76,5 +84,7 @@ async def cache_tree(request: Request, sort: str = "weight", depth: int | None =
 async def cache_misses(request: Request) -> JSONBytesResponse:
     st: ServerState = request.app.state.server
     result: dict[str, Any] = await st.tm.control("cache_misses")
-    result["near_misses"] = [decode_divergence(st.tokenizer, m) for m in reversed(result["near_misses"])]
+    result["near_misses"] = [
+        decode_divergence(st.tokenizer, m) for m in reversed(result["near_misses"])
+    ]
     return JSONBytesResponse(result)

@@ -89,14 +89,19 @@ def _sampling(st: ServerState, body: ChatCompletionRequest, plan: ToolPlan, fmt:
         if given:
             raise APIError(
                 f"tool_choice {plan.choice!r} is enforced by a grammar and cannot be combined with "
-                f"another constraint ({', '.join(given)}); use tool_choice 'auto'", 400, param="tool_choice")
+                f"another constraint ({', '.join(given)}); use tool_choice 'auto'",
+                400,
+                param="tool_choice",
+            )
         sampling.update(grammar)
     if plan.parses and fmt.marker_is_special and body.skip_special_tokens is None:
         sampling["skip_special_tokens"] = False  # the parser must see the marker token
     return sampling
 
 
-def _chat_logprobs(st: ServerState, ids: list[int], lps: list[float], tops: list[Any]) -> dict[str, Any]:
+def _chat_logprobs(
+    st: ServerState, ids: list[int], lps: list[float], tops: list[Any]
+) -> dict[str, Any]:
     content = []
     for j, (tok, lp) in enumerate(zip(ids, lps, strict=False)):
         s = token_text(st, tok)
@@ -225,7 +230,10 @@ async def _chat_response(call: _ChatCall, request: Request) -> JSONBytesResponse
         msg, has_calls = _message(call.spec, r.text)
         choices.append({
             "index": i, "message": msg,
-            "logprobs": _chat_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
+            "logprobs": (
+                _chat_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs)
+                if body.logprobs else None
+            ),
             "finish_reason": _finish_reason(r.meta, has_calls),
         })
     usage = usage_dict(len(call.ids), sum(r.meta.completion_tokens for r in merged),

@@ -35,12 +35,16 @@ class ClientGone(Exception):
     """The HTTP client disconnected; its request was aborted.  Nobody reads the answer."""
 
 
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> dict:
     return {
         "object": "error",
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "type": _TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            ),
             "param": param,
             "code": code or status,
         },
@@ -87,7 +91,9 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
     if first.get("type") == "missing":
-        return (f"missing required field '{param}'" if param else "the request body is missing"), param
+        return (
+            f"missing required field '{param}'" if param else "the request body is missing"
+        ), param
     if first.get("type") == "extra_forbidden":
         return f"unknown field '{param}'", param
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")

@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     from radixserve.frontend.state import ServerState
 
 logger = logging.getLogger(__name__)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json", "config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "chat_template.jinja", "generation_config.json", "config.json")
 TIERS = {"GPU": 1, "CPU_PINNED": 2, "DISK": 3}  # medium -> smg's KvCacheTier
 
 
@@ -61,7 +61,9 @@ def _protos() -> tuple[Any, Any, Any]:
             sglang_scheduler_pb2_grpc,
         )
     except ImportError as e:
-        raise RuntimeError("--grpc-port needs grpcio and smg-grpc-proto: pip install 'radixserve[router]'") from e
+        raise RuntimeError(
+            "--grpc-port needs grpcio and smg-grpc-proto: pip install 'radixserve[router]'"
+        ) from e
     return common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 
@@ -70,10 +72,13 @@ def sampling_dict(p: Any) -> dict[str, Any]:
     number from 0: 0 means SGLang's default where 0 is not a meaningful value (top_p,
     top_k, repetition_penalty)."""
     d: dict[str, Any] = {
-        "temperature": p.temperature, "top_p": p.top_p or 1.0, "top_k": p.top_k if p.top_k > 0 else -1,
-        "min_p": p.min_p, "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
+        "temperature": p.temperature, "top_p": p.top_p or 1.0,
+        "top_k": p.top_k if p.top_k > 0 else -1,
+        "min_p": p.min_p, "frequency_penalty": p.frequency_penalty,
+        "presence_penalty": p.presence_penalty,
         "repetition_penalty": p.repetition_penalty or 1.0, "stop": list(p.stop),
-        "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos, "no_stop_trim": p.no_stop_trim,
+        "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos,
+        "no_stop_trim": p.no_stop_trim,
         "min_new_tokens": p.min_new_tokens, "skip_special_tokens": p.skip_special_tokens,
     }
     if p.HasField("max_new_tokens"):
@@ -120,37 +125,43 @@ class SchedulerService:
             hints = SchedulingHints(bootstrap=bootstraps(d.bootstrap_host, d.bootstrap_port or None,
                                                          d.bootstrap_room, 1)[0])
         if request.sampling_params.n > 1:
-            await context.abort(self.grpc.StatusCode.INVALID_ARGUMENT, "n > 1 is not served over gRPC; send n requests")
+            await context.abort(self.grpc.StatusCode.INVALID_ARGUMENT,
+                                "n > 1 is not served over gRPC; send n requests")
         logprob = request.return_logprob
         start = request.logprob_start_len if logprob and request.logprob_start_len >= 0 else -1
         try:
             ids, params = self.st.prepare(None, list(request.tokenized.input_ids),
-                                          sampling_dict(request.sampling_params), logprob_start_len=start,
-                                          prompt_param="input_ids")
+                                          sampling_dict(request.sampling_params),
+                                          logprob_start_len=start, prompt_param="input_ids")
         except APIError as e:
             await context.abort(self.grpc.StatusCode.INVALID_ARGUMENT, e.message)
         out_ids: list[int] = []
         logprobs = self.pb.OutputLogProbs()
         try:
             async for piece in self.st.stream(ids, params, stream=request.stream, logprob=logprob,
-                                              top_n=request.top_logprobs_num, rid=rid, logprob_start_len=start,
-                                              hints=hints):
+                                              top_n=request.top_logprobs_num, rid=rid,
+                                              logprob_start_len=start, hints=hints):
                 out_ids += piece.output_ids
                 delta = _logprobs(self.pb, piece) if logprob else None
                 if delta is not None and not request.stream:  # the complete carries them whole
                     logprobs.MergeFrom(delta)
                 meta = piece.meta
                 if request.stream and piece.output_ids:
-                    yield self.pb.GenerateResponse(request_id=rid, chunk=self.pb.GenerateStreamChunk(
-                        token_ids=piece.output_ids, prompt_tokens=meta.prompt_tokens,
-                        completion_tokens=meta.completion_tokens, cached_tokens=meta.cached_tokens,
-                        output_logprobs=delta))
+                    yield self.pb.GenerateResponse(
+                        request_id=rid,
+                        chunk=self.pb.GenerateStreamChunk(
+                            token_ids=piece.output_ids, prompt_tokens=meta.prompt_tokens,
+                            completion_tokens=meta.completion_tokens,
+                            cached_tokens=meta.cached_tokens, output_logprobs=delta,
+                        ),
+                    )
                 if piece.finished:
                     yield self.pb.GenerateResponse(request_id=rid, complete=_complete(
                         self.pb, meta, [] if request.stream else out_ids,
                         logprobs if logprob and not request.stream else None))
         except RequestError as e:
-            code = self.grpc.StatusCode.INVALID_ARGUMENT if e.status < 500 else self.grpc.StatusCode.UNAVAILABLE
+            code = (self.grpc.StatusCode.INVALID_ARGUMENT if e.status < 500
+                    else self.grpc.StatusCode.UNAVAILABLE)
             await context.abort(code, str(e))
 
     async def HealthCheck(self, request: Any, context: Any) -> Any:
@@ -159,14 +170,16 @@ class SchedulerService:
 
     async def Abort(self, request: Any, context: Any) -> Any:
         found = await self.st.tm.abort(request.request_id)
-        return self.pb.AbortResponse(success=bool(found), message="" if found else "no such request")
+        return self.pb.AbortResponse(success=bool(found),
+                                     message="" if found else "no such request")
 
     async def GetModelInfo(self, request: Any, context: Any) -> Any:
         info, hf = self.st.info, hf_config(self.st.model_path)
         return self.pb.GetModelInfoResponse(
             model_path=self.st.model_path, tokenizer_path=info.tokenizer_path, is_generation=True,
-            weight_version="default", served_model_name=self.st.model_name, max_context_length=info.context_length,
-            vocab_size=info.vocab_size, model_type=hf.get("model_type") or "", eos_token_ids=info.eos_token_ids,
+            weight_version="default", served_model_name=self.st.model_name,
+            max_context_length=info.context_length, vocab_size=info.vocab_size,
+            model_type=hf.get("model_type") or "", eos_token_ids=info.eos_token_ids,
             max_req_input_len=info.context_length, architectures=hf.get("architectures") or [])
 
     async def GetServerInfo(self, request: Any, context: Any) -> Any:
@@ -174,42 +187,48 @@ class SchedulerService:
 
         args = self.st.args.to_dict()
         args.pop("api_key", None)
-        args["max_running_requests"] = self.st.info.max_running_requests  # as resolved (smg's PD admission)
+        # as resolved (smg's PD admission)
+        args["max_running_requests"] = self.st.info.max_running_requests
         server_args, sched = struct_pb2.Struct(), struct_pb2.Struct()
         server_args.update(json.loads(json.dumps(args, default=str)))
         sched.update({"max_total_num_tokens": self.st.info.max_total_tokens,
-                      "max_running_requests": self.st.info.max_running_requests, "page_size": self.st.info.page_size})
+                      "max_running_requests": self.st.info.max_running_requests,
+                      "page_size": self.st.info.page_size})
         return self.pb.GetServerInfoResponse(
-            server_args=server_args, scheduler_info=sched, active_requests=self.st.inflight_requests,
-            uptime_seconds=time.time() - self.st.started_at, sglang_version=__version__, server_type="grpc",
-            max_total_num_tokens=self.st.info.max_total_tokens)
+            server_args=server_args, scheduler_info=sched,
+            active_requests=self.st.inflight_requests,
+            uptime_seconds=time.time() - self.st.started_at, sglang_version=__version__,
+            server_type="grpc", max_total_num_tokens=self.st.info.max_total_tokens)
 
     async def GetLoads(self, request: Any, context: Any) -> Any:
         stats = await self.st.tm.control("stats")
         load = load_snapshot(stats, self.st.info, parse_include(",".join(request.include) or None),
                              self.st.gen_rate.update(stats["generation_tokens"]))
         fields = {f.name for f in self.pb.SchedulerLoad.DESCRIPTOR.fields}
-        row = self.pb.SchedulerLoad(**{k: v for k, v in load.items() if k in fields and not isinstance(v, dict)},
-                                    num_total_reqs=stats["running"] + stats["waiting"])
-        return self.pb.GetLoadsResponse(timestamp=str(load["timestamp"]), version=__version__, dp_rank_count=1,
-                                        loads=[row])
+        row = self.pb.SchedulerLoad(
+            **{k: v for k, v in load.items() if k in fields and not isinstance(v, dict)},
+            num_total_reqs=stats["running"] + stats["waiting"])
+        return self.pb.GetLoadsResponse(timestamp=str(load["timestamp"]), version=__version__,
+                                        dp_rank_count=1, loads=[row])
 
     async def FlushCache(self, request: Any, context: Any) -> Any:
         ok = (await self.st.tm.control("flush_cache")).get("success", False)
-        return self.common.FlushCacheResponse(success=bool(ok), message="" if ok else "requests are in flight")
+        return self.common.FlushCacheResponse(success=bool(ok),
+                                              message="" if ok else "requests are in flight")
 
     async def GetTokenizer(self, request: Any, context: Any) -> AsyncIterator[Any]:
         data = tokenizer_zip(self.st.info.tokenizer_path)
         step = 1 << 20
         for at in range(0, len(data), step):
             last = at + step >= len(data)
-            yield self.common.GetTokenizerChunk(data=data[at:at + step],
-                                                sha256=hashlib.sha256(data).hexdigest() if last else "")
+            yield self.common.GetTokenizerChunk(
+                data=data[at:at + step], sha256=hashlib.sha256(data).hexdigest() if last else "")
 
     async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
         config = KVEventsConfig.of(self.st.args.kv_events_config)
         if not config.enabled:
-            await context.abort(self.grpc.StatusCode.UNIMPLEMENTED, "KV events are off: start radixserve with "
+            await context.abort(self.grpc.StatusCode.UNIMPLEMENTED,
+                                "KV events are off: start radixserve with "
                                 "--kv-events-config '{\"publisher\": \"zmq\", ...}'")
         async for batch in KVEventRelay(self.st, config).batches(request.start_sequence_number):
             yield _batch_proto(self.common, *batch)
@@ -265,7 +284,9 @@ class KVEventRelay:
             raise RuntimeError(result.get("error", "no KV event snapshot"))
         return result["sequence"]
 
-    async def _replay(self, ctx: zmq.asyncio.Context, start: int) -> list[tuple[int, list[dict[str, Any]]]] | None:
+    async def _replay(
+        self, ctx: zmq.asyncio.Context, start: int
+    ) -> list[tuple[int, list[dict[str, Any]]]] | None:
         """The kept batches from ``start``; None when the replay no longer reaches back to it."""
         import msgspec
 
@@ -294,9 +315,11 @@ def _batch_proto(common: Any, seq: int, events: list[dict[str, Any]], snapshot: 
     for e in events:
         if e["type"] == "BlockStored":
             size, tokens = e["block_size"], e["token_ids"]
-            blocks = [common.KvBlock(block_hash=h, token_ids=tokens[i * size:(i + 1) * size], block_size=size)
+            blocks = [common.KvBlock(block_hash=h, token_ids=tokens[i * size:(i + 1) * size],
+                                     block_size=size)
                       for i, h in enumerate(e["block_hashes"])]
-            stored = common.KvBlocksStored(blocks=blocks, medium=e["medium"], tier=TIERS[e["medium"]])
+            stored = common.KvBlocksStored(blocks=blocks, medium=e["medium"],
+                                           tier=TIERS[e["medium"]])
             if e["parent_block_hash"] is not None:
                 stored.parent_block_hash = e["parent_block_hash"]
             if e.get("cache_salt"):
@@ -318,14 +341,17 @@ def _logprobs(pb: Any, piece: Any) -> Any:
     out = pb.OutputLogProbs(token_logprobs=[lp if lp is not None else 0.0 for lp in piece.logprobs],
                             token_ids=piece.output_ids)
     for top in piece.top_logprobs:
-        out.top_logprobs.append(pb.TopLogProbs(values=[v for _, v in top], token_ids=[int(t) for t, _ in top]))
+        out.top_logprobs.append(pb.TopLogProbs(values=[v for _, v in top],
+                                               token_ids=[int(t) for t, _ in top]))
     return out
 
 
 def _complete(pb: Any, meta: Any, output_ids: list[int], logprobs: Any) -> Any:
     finish = meta.finish_reason
-    done = pb.GenerateComplete(output_ids=output_ids, finish_reason=finish.type if finish else "stop",
-                               prompt_tokens=meta.prompt_tokens, completion_tokens=meta.completion_tokens,
+    done = pb.GenerateComplete(output_ids=output_ids,
+                               finish_reason=finish.type if finish else "stop",
+                               prompt_tokens=meta.prompt_tokens,
+                               completion_tokens=meta.completion_tokens,
                                cached_tokens=meta.cached_tokens, output_logprobs=logprobs)
     if finish is not None and isinstance(finish.matched, int):
         done.matched_token_id = finish.matched

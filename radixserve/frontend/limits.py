@@ -41,7 +41,8 @@ MAX_HEADER_COUNT = 100  # as Apache's LimitRequestFields
 # that heads up to this size, however the network splits them, are answered 431 here.
 MAX_INCOMPLETE_HEAD_BYTES = 2 * MAX_HEADER_BYTES
 RETRY_AFTER_S = 1
-OPEN_PATHS = frozenset({"/health", "/cache"})  # answered without an API key (the page holds no data)
+# answered without an API key (the page holds no data)
+OPEN_PATHS = frozenset({"/health", "/cache"})
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 _DEPTH_CHUNK = 1 << 20  # brackets summed per numpy step: bounded temporary memory
 
@@ -82,7 +83,8 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
         elif not self.allows(_header(scope, b"authorization")):
-            await refuse(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            await refuse(send, 401,
+                         "invalid or missing API key: send 'Authorization: Bearer <key>'",
                          [("www-authenticate", "Bearer")])
         else:
             await self.app(scope, receive, send)
@@ -125,7 +127,8 @@ class RequestLimits:
         body = await self._read_body(receive, send)
         if body is None:
             return
-        if body and _is_json(_header(scope, b"content-type")) and json_depth_exceeds(body, self.max_json_depth):
+        if (body and _is_json(_header(scope, b"content-type"))
+                and json_depth_exceeds(body, self.max_json_depth)):
             await refuse(send, 400, f"the request body nests arrays and objects more than "
                                     f"{self.max_json_depth} levels deep", close=False)
             return
@@ -180,7 +183,8 @@ class RequestLimits:
 
     def _header_problem(self, headers: list[tuple[bytes, bytes]]) -> str | None:
         if len(headers) > MAX_HEADER_COUNT:
-            return f"the request has {len(headers)} headers; at most {MAX_HEADER_COUNT} are accepted"
+            return (f"the request has {len(headers)} headers; "
+                    f"at most {MAX_HEADER_COUNT} are accepted")
         size = sum(len(k) + len(v) for k, v in headers)
         if size > MAX_HEADER_BYTES:
             return f"the request headers take {size} bytes; at most {MAX_HEADER_BYTES} are accepted"
@@ -196,7 +200,9 @@ def _is_json(content_type: bytes | None) -> bool:
     if content_type is None:
         return True
     kind = content_type.split(b";", 1)[0].strip().lower()
-    return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+    return kind == b"application/json" or (
+        kind.startswith(b"application/") and kind.endswith(b"+json")
+    )
 
 
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
@@ -222,7 +228,9 @@ def json_depth_exceeds(body: bytes, limit: int) -> bool:
     for start in range(0, len(steps), _DEPTH_CHUNK):
         quotes_so_far = np.cumsum(is_quote[start:start + _DEPTH_CHUNK], dtype=np.int64) + quotes
         outside = (quotes_so_far & 1) == 0
-        running = np.cumsum(np.where(outside, steps[start:start + _DEPTH_CHUNK], 0), dtype=np.int64) + depth
+        running = np.cumsum(
+            np.where(outside, steps[start:start + _DEPTH_CHUNK], 0), dtype=np.int64
+        ) + depth
         if int(running.max()) > limit:
             return True
         quotes, depth = int(quotes_so_far[-1]), int(running[-1])

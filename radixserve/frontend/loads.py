@@ -49,7 +49,9 @@ class ThroughputWindow:
         return self.rate
 
 
-def load_snapshot(stats: dict[str, Any], info: ModelInfo, include: set[str], gen_rate: float) -> dict[str, Any]:
+def load_snapshot(
+    stats: dict[str, Any], info: ModelInfo, include: set[str], gen_rate: float
+) -> dict[str, Any]:
     """One rank's snapshot from the scheduler's stats, with the sections ``include`` names."""
     page = info.page_size
     capacity = stats["total_pages"] * page
@@ -73,7 +75,9 @@ def load_snapshot(stats: dict[str, Any], info: ModelInfo, include: set[str], gen
         "cache_hit_rate": round(stats["cache_hit_rate"], 4),
         "utilization": round(max(usage, stats["running"] / max(1, info.max_running_requests)), 4),
         "total_prefill_uncached_tokens": stats["prefill_tokens_computed"],
-        "total_prefill_busy_us": int(1e6 * max(0.0, stats["forward_seconds"] - stats["decode_only_seconds"])),
+        "total_prefill_busy_us": int(
+            1e6 * max(0.0, stats["forward_seconds"] - stats["decode_only_seconds"])
+        ),
         "decode_moments": None,
     }
     every = "all" in include
@@ -81,10 +85,13 @@ def load_snapshot(stats: dict[str, Any], info: ModelInfo, include: set[str], gen
         load["memory"] = {"kv_cache_gb": round(capacity * info.kv_cache_bytes_per_token / 2**30, 3),
                           "token_capacity": capacity}
     if (every or "spec" in include) and stats.get("spec_verify_steps"):
-        load["speculative"] = {"accept_length": stats["spec_accept_length"],
-                               "accept_rate": stats["spec_accepted_tokens"] / max(1, stats["spec_draft_tokens"])}
+        load["speculative"] = {
+            "accept_length": stats["spec_accept_length"],
+            "accept_rate": stats["spec_accepted_tokens"] / max(1, stats["spec_draft_tokens"]),
+        }
     if every or "disagg" in include:
-        # a prefill or decode worker's transfers: counts, bytes moved, seconds spent (radixserve/disagg)
+        # a prefill or decode worker's transfers: counts, bytes moved, seconds spent
+        # (radixserve/disagg)
         load["disaggregation"] = stats.get("disaggregation") or {"mode": info.disaggregation_mode}
     if every or "queues" in include:
         load["queues"] = {"waiting": stats["waiting"], "grammar": stats.get("grammar_waiting", 0)}

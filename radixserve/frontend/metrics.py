@@ -30,26 +30,35 @@ class _SchedulerCollector(Collector):
         if not s:
             return
         for name, key, doc in (
-            ("radixserve:num_retractions", "retractions", "requests retracted when KV memory ran out"),
+            ("radixserve:num_retractions", "retractions",
+             "requests retracted when KV memory ran out"),
             ("radixserve:num_priority_preemptions", "priority_preemptions",
              "running requests retracted for a waiting one of higher priority"),
             ("radixserve:evicted_tokens", "evicted_tokens", "tokens evicted from the radix tree"),
-            ("radixserve:prefill_tokens_computed", "prefill_tokens_computed", "prompt tokens computed (not served from the cache)"),
+            ("radixserve:prefill_tokens_computed", "prefill_tokens_computed",
+             "prompt tokens computed (not served from the cache)"),
             ("radixserve:cache_near_misses", "near_misses",
-             "requests whose prefix match stopped inside a long cached sequence (GET /cache/misses)"),
+             "requests whose prefix match stopped inside a long cached sequence "
+             "(GET /cache/misses)"),
         ):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         page = s.get("page_size", 1) or 1
         gauges = (
-            ("radixserve:num_running_requests", s.get("running", 0), "requests decoding or prefilling"),
-            ("radixserve:num_queued_requests", s.get("waiting", 0), "requests waiting for admission"),
+            ("radixserve:num_running_requests", s.get("running", 0),
+             "requests decoding or prefilling"),
+            ("radixserve:num_queued_requests", s.get("waiting", 0),
+             "requests waiting for admission"),
             ("radixserve:kv_pages_free", s.get("free_pages", 0), "free KV pages"),
-            ("radixserve:kv_pages_cached", s.get("tree_tokens", 0) // page, "KV pages held by the radix tree"),
-            ("radixserve:kv_pages_pinned", s.get("pinned_tokens", 0) // page, "KV pages on pinned prefixes"),
+            ("radixserve:kv_pages_cached", s.get("tree_tokens", 0) // page,
+             "KV pages held by the radix tree"),
+            ("radixserve:kv_pages_pinned", s.get("pinned_tokens", 0) // page,
+             "KV pages on pinned prefixes"),
             ("radixserve:num_pins", s.get("num_pins", 0), "live pins (POST /cache/pin)"),
-            ("radixserve:kv_pages_used", s.get("total_pages", 0) - s.get("free_pages", 0), "KV pages in use (tree or requests)"),
+            ("radixserve:kv_pages_used", s.get("total_pages", 0) - s.get("free_pages", 0),
+             "KV pages in use (tree or requests)"),
             ("radixserve:kv_pages_total", s.get("total_pages", 0), "KV pages in the pool"),
-            ("radixserve:cache_hit_rate", s.get("cache_hit_rate", 0.0), "cached / prompt tokens since start"),
+            ("radixserve:cache_hit_rate", s.get("cache_hit_rate", 0.0),
+             "cached / prompt tokens since start"),
         )
         for name, value, doc in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -62,14 +71,17 @@ class _SchedulerCollector(Collector):
         if "spec_verify_steps" not in s:
             return
         for name, key, doc in (
-            ("radixserve:spec_verify_steps", "spec_verify_steps", "request decode steps that verified drafts (or none)"),
+            ("radixserve:spec_verify_steps", "spec_verify_steps",
+             "request decode steps that verified drafts (or none)"),
             ("radixserve:spec_draft_tokens", "spec_draft_tokens", "draft tokens proposed"),
             ("radixserve:spec_accepted_tokens", "spec_accepted_tokens", "draft tokens accepted"),
         ):
             yield CounterMetricFamily(name, doc, value=s[key])
-        yield GaugeMetricFamily("radixserve:spec_accept_length", "tokens per verify step since start",
+        yield GaugeMetricFamily("radixserve:spec_accept_length",
+                                "tokens per verify step since start",
                                 value=s["spec_accept_length"])
-        yield GaugeMetricFamily("radixserve:spec_accept_rate", "accepted / proposed draft tokens since start",
+        yield GaugeMetricFamily("radixserve:spec_accept_rate",
+                                "accepted / proposed draft tokens since start",
                                 value=s["spec_accept_rate"])
 
     @staticmethod
@@ -78,22 +90,31 @@ class _SchedulerCollector(Collector):
         by_tier = s.get("cached_tokens_by_tier")
         if by_tier is None:
             return
-        family = CounterMetricFamily("radixserve:cached_tokens_by_tier",
-                                     "prompt tokens served from the cache, by the tier they were found in", labels=["tier"])
+        family = CounterMetricFamily(
+            "radixserve:cached_tokens_by_tier",
+            "prompt tokens served from the cache, by the tier they were found in",
+            labels=["tier"],
+        )
         for tier, n in by_tier.items():
             family.add_metric([tier], n)
         yield family
         for name, key, doc in (
-            ("radixserve:kv_demoted_tokens", "demoted_tokens", "tokens evicted from the device pool into the host tier"),
-            ("radixserve:kv_promoted_tokens", "promoted_tokens", "tokens copied back from the host tier"),
-            ("radixserve:kv_swapped_out_tokens", "swapped_out_tokens", "tokens of retracted requests swapped to the host"),
-            ("radixserve:kv_disk_loaded_tokens", "disk_loaded_tokens", "tokens loaded from the disk tier"),
-            ("radixserve:kv_disk_corrupt_blocks", "disk_corrupt_blocks", "disk-tier files found damaged and deleted"),
+            ("radixserve:kv_demoted_tokens", "demoted_tokens",
+             "tokens evicted from the device pool into the host tier"),
+            ("radixserve:kv_promoted_tokens", "promoted_tokens",
+             "tokens copied back from the host tier"),
+            ("radixserve:kv_swapped_out_tokens", "swapped_out_tokens",
+             "tokens of retracted requests swapped to the host"),
+            ("radixserve:kv_disk_loaded_tokens", "disk_loaded_tokens",
+             "tokens loaded from the disk tier"),
+            ("radixserve:kv_disk_corrupt_blocks", "disk_corrupt_blocks",
+             "disk-tier files found damaged and deleted"),
         ):
             if key in s:
                 yield CounterMetricFamily(name, doc, value=s[key])
         for name, key, doc in (
-            ("radixserve:kv_host_tokens_cached", "host_tree_tokens", "tokens the radix tree holds in the host tier"),
+            ("radixserve:kv_host_tokens_cached", "host_tree_tokens",
+             "tokens the radix tree holds in the host tier"),
             ("radixserve:kv_host_tokens_total", "host_tokens", "size of the host tier in tokens"),
             ("radixserve:kv_disk_blocks", "disk_blocks", "blocks in the disk tier"),
         ):
@@ -105,16 +126,26 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.prompt_tokens = Counter("radixserve:prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("radixserve:generation_tokens", "generated tokens", registry=r)
-        self.cached_tokens = Counter("radixserve:cached_tokens", "prompt tokens served from the radix cache", registry=r)
-        self.requests = Counter("radixserve:requests", "finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("radixserve:prompt_tokens",
+                                     "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("radixserve:generation_tokens", "generated tokens",
+                                         registry=r)
+        self.cached_tokens = Counter("radixserve:cached_tokens",
+                                     "prompt tokens served from the radix cache", registry=r)
+        self.requests = Counter("radixserve:requests", "finished requests", ["finish_reason"],
+                                registry=r)
         for reason in FINISH_REASONS:  # every series from the start: a router that merges its
             self.requests.labels(finish_reason=reason)  # workers' metrics needs equal label names
-        self.ttft = Histogram("radixserve:time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("radixserve:inter_token_latency_seconds", "time between streamed tokens", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("radixserve:e2e_request_latency_seconds", "request latency, arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("radixserve:queue_time_seconds", "arrival to first admission in the scheduler", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("radixserve:time_to_first_token_seconds", "time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixserve:inter_token_latency_seconds",
+                             "time between streamed tokens", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("radixserve:e2e_request_latency_seconds",
+                             "request latency, arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("radixserve:queue_time_seconds",
+                                    "arrival to first admission in the scheduler",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
         self._scheduler = _SchedulerCollector()
         r.register(self._scheduler)
 

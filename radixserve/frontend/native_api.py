@@ -53,22 +53,25 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                         body.return_text_in_logprobs)
     prompt_param = "text" if body.text is not None else "input_ids"
     try:
-        batched, specs = split_batch(body.text, body.input_ids, body.sampling_params, body.extra_key,
-                                     priority=body.priority or 0, cache_report=body.return_cache_report,
-                                     bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room))
+        batched, specs = split_batch(
+            body.text, body.input_ids, body.sampling_params, body.extra_key,
+            priority=body.priority or 0, cache_report=body.return_cache_report,
+            bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room),
+        )
     except InvalidRequestError as e:
         raise APIError(str(e), 400, param=e.param) from None
 
     def prepare(spec: PromptSpec) -> tuple[list[int], SamplingParams]:
-        return st.prepare(spec.text, spec.input_ids, spec.sampling, logprob_start_len=body.logprob_start_len,
-                          prompt_param=prompt_param)
+        return st.prepare(spec.text, spec.input_ids, spec.sampling,
+                          logprob_start_len=body.logprob_start_len, prompt_param=prompt_param)
 
     jobs = prepare_jobs(specs, batched, prepare)
 
     def pieces(i: int, stream: bool, rid: str | None) -> AsyncIterator[Piece]:
         job = jobs[i]
-        return st.stream(job.ids, job.params, stream=stream, logprob=lp.return_logprob, top_n=lp.top_logprobs_num,
-                         rid=rid, logprob_start_len=lp.scheduler_start(len(job.ids)), hints=job.hints)
+        return st.stream(job.ids, job.params, stream=stream, logprob=lp.return_logprob,
+                         top_n=lp.top_logprobs_num, rid=rid,
+                         logprob_start_len=lp.scheduler_start(len(job.ids)), hints=job.hints)
 
     if body.stream:
         if batched:
@@ -87,7 +90,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 await it.aclose()  # the request is aborted if the stream stops early
             yield SSE_DONE
 
-        return StreamingResponse(guarded_stream(_event(out.result()), rest()), media_type="text/event-stream")
+        return StreamingResponse(guarded_stream(_event(out.result()), rest()),
+                                 media_type="text/event-stream")
     results = await asyncio.gather(*[
         collect(pieces(i, False, None if batched else body.rid), request) for i in range(len(jobs))
     ])
@@ -112,9 +116,12 @@ async def health(request: Request) -> Response:
 async def health_generate(request: Request) -> Response:
     st = _state(request)
     try:
-        ids, params = st.tm.prepare(None, [st.info.eos_token_ids[0] if st.info.eos_token_ids else 0],
-                                    {"max_new_tokens": 1, "temperature": 0})
-        await asyncio.wait_for(collect(st.stream(ids, params, stream=False), request), HEALTH_GENERATE_TIMEOUT_S)
+        ids, params = st.tm.prepare(
+            None, [st.info.eos_token_ids[0] if st.info.eos_token_ids else 0],
+            {"max_new_tokens": 1, "temperature": 0},
+        )
+        await asyncio.wait_for(collect(st.stream(ids, params, stream=False), request),
+                               HEALTH_GENERATE_TIMEOUT_S)
     except (RequestError, TimeoutError) as e:
         return JSONBytesResponse({"status": "unhealthy", "error": str(e)}, 503)
     return Response(status_code=200)
@@ -220,7 +227,9 @@ async def v1_loads(request: Request, include: str | None = None) -> JSONBytesRes
 
 
 @router.post("/apply_chat_template")
-async def apply_chat_template(body: ApplyChatTemplateRequest, request: Request) -> JSONBytesResponse:
+async def apply_chat_template(
+    body: ApplyChatTemplateRequest, request: Request
+) -> JSONBytesResponse:
     """The prompt text ``/v1/chat/completions`` renders for these messages without tools, and
     its token count (generating from it with ``/generate`` reuses what the chat route cached)."""
     st = _state(request)

@@ -38,7 +38,8 @@ class GenerateRequest(RequestBody):
     rid: str | None = None
     # Cache namespace (one, or one per prompt of a batch); what cache_salt is on /v1 routes.
     extra_key: str | list[str | None] | None = None
-    priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
+    # --schedule-policy priority
+    priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
     # meta_info.cache_report: where the prefix match stopped and what the cache held from there
     return_cache_report: StrictBool = False
     model: str | None = None  # SGLang's router sends null; a name must be the served model's
@@ -87,7 +88,8 @@ class CachePinRequest(RequestBody):
     def _check(self) -> CachePinRequest:
         given = [n for n in ("text", "input_ids", "messages") if getattr(self, n) is not None]
         if len(given) > 1 or (not given and self.pin_id is None):
-            raise reject("text", "give exactly one of text, input_ids and messages (or pin_id to unpin)")
+            raise reject("text",
+                         "give exactly one of text, input_ids and messages (or pin_id to unpin)")
         if given and self.pin_id is not None:
             raise reject("pin_id", "give pin_id alone, or the prefix alone")
         return self

@@ -60,7 +60,8 @@ def _completion_logprobs(st: ServerState, ids: list[int], lps: list[float | None
     for j in range(len(ids)):
         alts = tops[j] if j < len(tops) else []
         top.append(None if alts is None else {token_text(st, int(t)): v for t, v in alts})
-    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top,
+            "text_offset": offsets}
 
 
 def _join_logprobs(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
@@ -95,27 +96,32 @@ class _CompletionCall:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.jobs = [(ids, cp) for ids, params in self.prepared for cp in params_per_choice(params, self.body.n)]
+        self.jobs = [(ids, cp) for ids, params in self.prepared
+                     for cp in params_per_choice(params, self.body.n)]
         self.want_lp = self.body.logprobs is not None
         self.echo_lp = self.body.echo and self.want_lp
-        self.echo_text = [self.st.tokenizer.decode(ids) if self.body.echo else "" for ids, _ in self.jobs]
+        self.echo_text = [self.st.tokenizer.decode(ids) if self.body.echo else ""
+                          for ids, _ in self.jobs]
         self.prompt_tokens = sum(len(ids) for ids, _ in self.prepared)
 
     def streams(self, stream: bool) -> list[AsyncIterator[Piece]]:
         rids = choice_rids(self.body.rid, len(self.jobs))
         hints = self.body.hints(len(self.jobs), len(self.prepared))
-        return [self.st.stream(ids, p, stream=stream, logprob=self.want_lp, top_n=self.body.logprobs or 0,
-                               rid=rid, logprob_start_len=0 if self.echo_lp else -1, hints=h)
+        return [self.st.stream(ids, p, stream=stream, logprob=self.want_lp,
+                               top_n=self.body.logprobs or 0, rid=rid,
+                               logprob_start_len=0 if self.echo_lp else -1, hints=h)
                 for (ids, p), rid, h in zip(self.jobs, rids, hints, strict=True)]
 
     def prompt_logprobs(self, i: int, piece: Piece) -> dict[str, Any] | None:
         """Choice i's prompt part (echo + logprobs), from the piece that carries it."""
         if not self.echo_lp:
             return None
-        return _completion_logprobs(self.st, self.jobs[i][0], piece.input_logprobs, piece.input_top_logprobs, 0)
+        return _completion_logprobs(self.st, self.jobs[i][0], piece.input_logprobs,
+                                    piece.input_top_logprobs, 0)
 
     def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        head = {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.st.model_name}
+        head = {"id": self.cid, "object": "text_completion", "created": self.created,
+                "model": self.st.model_name}
         return chunk_event(head, choices, self.body.include_usage, usage)
 
 
@@ -125,8 +131,8 @@ def _prepare_completion(st: ServerState, body: CompletionRequest) -> _Completion
     for k, p in enumerate(body.prompts()):
         try:
             prepared.append(st.prepare(p if isinstance(p, str) else None,
-                                       p if isinstance(p, list) else None, sampling, check_total=True,
-                                       prompt_param="prompt"))
+                                       p if isinstance(p, list) else None, sampling,
+                                       check_total=True, prompt_param="prompt"))
         except APIError as e:
             if len(body.prompts()) > 1:
                 e.message = f"prompt {k}: {e.message}"
@@ -136,13 +142,16 @@ def _prepare_completion(st: ServerState, body: CompletionRequest) -> _Completion
 
 async def _completion_response(call: _CompletionCall, request: Request) -> JSONBytesResponse:
     st, body = call.st, call.body
-    results = [merge(r) for r in await asyncio.gather(*[collect(s, request) for s in call.streams(False)])]
+    results = [merge(r) for r in await asyncio.gather(
+        *[collect(s, request) for s in call.streams(False)]
+    )]
     choices = [{
         "index": i,
         "text": call.echo_text[i] + r.text,
         "logprobs": _join_logprobs(
             call.prompt_logprobs(i, r),
-            _completion_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs, len(call.echo_text[i])),
+            _completion_logprobs(st, r.output_ids, r.logprobs, r.top_logprobs,
+                                 len(call.echo_text[i])),
         ) if call.want_lp else None,
         "finish_reason": r.meta.finish_type,
     } for i, r in enumerate(results)]
@@ -161,7 +170,9 @@ async def _completion_chunks(call: _CompletionCall) -> AsyncIterator[bytes]:
     text_pos = [0] * len(call.jobs)  # characters of choice i's text sent so far
     # Per choice, logprobs not sent yet: a piece whose text is held back (a character
     # split across tokens) sends its tokens' logprobs with the next chunk that has text.
-    held: list[dict[str, Any]] = [{"prompt": None, "ids": [], "lps": [], "tops": []} for _ in call.jobs]
+    held: list[dict[str, Any]] = [
+        {"prompt": None, "ids": [], "lps": [], "tops": []} for _ in call.jobs
+    ]
     async for i, piece in fan_in(call.streams(True)):
         text = piece.text
         start = text_pos[i]  # where this chunk's completion text begins
@@ -178,7 +189,9 @@ async def _completion_chunks(call: _CompletionCall) -> AsyncIterator[bytes]:
         if text or finished:
             lp = None
             if call.want_lp:
-                lp = _join_logprobs(h["prompt"], _completion_logprobs(st, h["ids"], h["lps"], h["tops"], start))
+                lp = _join_logprobs(
+                    h["prompt"], _completion_logprobs(st, h["ids"], h["lps"], h["tops"], start)
+                )
                 held[i] = {"prompt": None, "ids": [], "lps": [], "tops": []}
             text_pos[i] += len(text)
             yield call.chunk([{"index": i, "text": text, "logprobs": lp,

@@ -6,8 +6,8 @@ accepted, plus the extensions SGLang and vLLM clients send (``top_k``, ``min_p``
 fields are implemented, ignored (``IGNORED_FIELDS``) or refused (``UNSUPPORTED``), and how
 nulls and errors are handled, is in ``radixserve/schema/base.py``; the rest of SGLang's
 request schemas (what its clients and router send) is the table in ``sglang_fields.py``; chat
-messages are in ``radixserve/chat/messages.py``, ``response_format`` in ``response_format.py``.  Validation errors become
-HTTP 400 with an OpenAI-style body (see ``errors.py``).
+messages are in ``radixserve/chat/messages.py``, ``response_format`` in ``response_format.py``.
+Validation errors become HTTP 400 with an OpenAI-style body (see ``errors.py``).
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
     extra_key: str | None = Field(None, max_length=MAX_EXTRA_KEY_CHARS)  # SGLang's name for it
     # The request's id (SGLang): meta_info.id, /abort_request; "<rid>_<i>" for choice i of several.
     rid: str | None = Field(None, min_length=1)
-    priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # --schedule-policy priority
+    # --schedule-policy priority
+    priority: StrictInt | None = Field(None, gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
     # usage.cache_report: where the prompt's prefix match stopped (the first prompt's)
     return_cache_report: StrictBool = False
     # SGLang's bootstrap fields: smg's PD mode names the prefill worker and the request's room
@@ -149,8 +150,8 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
         if len(given) > 1:
             raise reject(given[1], f"give at most one constraint; got {' and '.join(given)}")
         if self.extra_key and self.cache_salt and self.extra_key != self.cache_salt:
-            raise reject("extra_key", "extra_key and cache_salt name the same cache namespace; give one "
-                                      "of them (or both with the same value)")
+            raise reject("extra_key", "extra_key and cache_salt name the same cache namespace; "
+                                      "give one of them (or both with the same value)")
         bound = self.max_new_tokens
         if self.min_tokens and bound is not None and self.min_tokens > bound:
             raise reject("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed the "
@@ -187,7 +188,8 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
     def hints(self, requests: int = 1, prompts: int = 1) -> list[SchedulingHints]:
         """The cache namespace, priority level and bootstrap fields of each of the call's
         ``requests`` (``prompts`` prompts' choices, in order)."""
-        rooms = bootstraps(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, requests, prompts)
+        rooms = bootstraps(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room,
+                           requests, prompts)
         return [SchedulingHints(self.cache_salt or self.extra_key or "", self.priority or 0,
                                 cache_report=self.return_cache_report, bootstrap=b) for b in rooms]
 
@@ -232,15 +234,20 @@ class ChatCompletionRequest(_SamplingFields):
     # SGLang / vLLM chat extensions
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: StrictBool = True
-    stream_reasoning: StrictBool = True  # false: a stream sends the reasoning in one delta, once it ends
+    # false: a stream sends the reasoning in one delta, once it ends
+    stream_reasoning: StrictBool = True
     continue_final_message: StrictBool = False
     add_generation_prompt: StrictBool = True
 
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
-            raise ValueError("metadata holds at most 16 pairs; keys up to 64 characters, values up to 512")
+        if v is not None and (
+            len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())
+        ):
+            raise ValueError(
+                "metadata holds at most 16 pairs; keys up to 64 characters, values up to 512"
+            )
         return v
 
     @field_validator("tools")
@@ -251,7 +258,8 @@ class ChatCompletionRequest(_SamplingFields):
                 raise unsupported(f"tools[{i}].type", "tools[].type", param=f"[{i}].type")
             fn = tool.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise reject(f"[{i}].function.name", f"tools[{i}].function.name must be a non-empty string")
+                raise reject(f"[{i}].function.name",
+                             f"tools[{i}].function.name must be a non-empty string")
             if fn.get("parameters") is not None:
                 check_json_schema(f"tools[{i}].function.parameters", fn["parameters"],
                                   param=f"[{i}].function.parameters")
@@ -261,7 +269,9 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if isinstance(v, str) and v not in ("none", "auto", "required"):
-            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or an object, got {v!r}")
+            raise ValueError(
+                f"tool_choice must be 'none', 'auto', 'required' or an object, got {v!r}"
+            )
         return v
 
     @model_validator(mode="after")
@@ -290,7 +300,9 @@ class ChatCompletionRequest(_SamplingFields):
             if self.functions is None or self.tool_choice is not None:
                 raise reject("function_call", "function_call needs functions, and no tool_choice")
             fc = self.function_call
-            self.tool_choice = fc if isinstance(fc, str) else {"type": "function", "function": {"name": fc.name}}
+            self.tool_choice = (
+                fc if isinstance(fc, str) else {"type": "function", "function": {"name": fc.name}}
+            )
 
     @property
     def legacy_functions(self) -> bool:

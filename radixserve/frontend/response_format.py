@@ -41,6 +41,7 @@ class ResponseFormat(Body):
         for name, kind in (("json_schema", "json_schema"), ("format", "structural_tag")):
             given = getattr(self, name) is not None
             if given != (self.type == kind):
-                raise reject(name, f"response_format.{name} is required with type {kind!r}" if not given
+                raise reject(name,
+                             f"response_format.{name} is required with type {kind!r}" if not given
                              else f"response_format.{name} is only valid with type {kind!r}")
         return self

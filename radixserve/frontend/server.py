@@ -99,7 +99,8 @@ def bind_port(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot serve on host {host!r}: {e.strerror}") from None
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        # a restart need not wait out TIME_WAIT
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
         sock.listen(LISTEN_BACKLOG)
     except OSError as e:

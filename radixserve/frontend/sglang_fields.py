@@ -31,7 +31,9 @@ from radixserve.schema.base import refuse_meaning, reject
 # Route letters: "c" /v1/chat/completions, "p" /v1/completions, "g" /generate,
 # "s" a /generate sampling_params object.
 CHAT, COMPLETIONS, GENERATE, SAMPLING = "c", "p", "g", "s"
-_KIND_NAMES = {bool: "a boolean", int: "an integer", str: "a string", list: "a list", dict: "an object"}
+_KIND_NAMES = {
+    bool: "a boolean", int: "an integer", str: "a string", list: "a list", dict: "an object",
+}
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ _MULTIMODAL = "inputs other than text (radixserve serves text-only models)"
 
 SGLANG_FIELDS: dict[str, SGLangField] = {
     # -- features radixserve lacks: accepted unset, refused when they ask for something
-    "return_hidden_states": SGLangField("cpg", (bool, str, list), "hidden states in the output", False),
+    "return_hidden_states": SGLangField("cpg", (bool, str, list), "hidden states in the output",
+                                        False),
     "lora_path": SGLangField("cpg", (str, list), "LoRA adapters"),
     "lora_id": SGLangField("g", (str, list), "LoRA adapters"),
     "session_params": SGLangField("cpg", (dict, list), "SGLang's sessions (the radix tree serves a "
@@ -62,37 +65,42 @@ SGLANG_FIELDS: dict[str, SGLangField] = {
                               "conversation's shared prefix without one)"),
     "custom_logit_processor": SGLangField("cpg", (str, list), "custom logit processors"),
     "custom_params": SGLangField("cps", (dict, list), "parameters of a custom logit processor"),
-    "stop_regex": SGLangField("cp", (str, list), "stopping on a regular expression (use stop strings "
-                              "or a regex constraint)"),
-    "token_ids_logprob": SGLangField("g", (list,), "logprobs of chosen token ids (use top_logprobs_num)"),
-    "image_data": SGLangField("g", (str, list, dict), "image inputs (radixserve serves text-only models)"),
-    "video_data": SGLangField("g", (str, list, dict), "video inputs (radixserve serves text-only models)"),
-    "audio_data": SGLangField("g", (str, list, dict), "audio inputs (radixserve serves text-only models)"),
+    "stop_regex": SGLangField("cp", (str, list), "stopping on a regular expression "
+                              "(use stop strings or a regex constraint)"),
+    "token_ids_logprob": SGLangField("g", (list,),
+                                     "logprobs of chosen token ids (use top_logprobs_num)"),
+    "image_data": SGLangField("g", (str, list, dict),
+                              "image inputs (radixserve serves text-only models)"),
+    "video_data": SGLangField("g", (str, list, dict),
+                              "video inputs (radixserve serves text-only models)"),
+    "audio_data": SGLangField("g", (str, list, dict),
+                              "audio inputs (radixserve serves text-only models)"),
     "modalities": SGLangField("g", (list,), _MULTIMODAL),
     "input_embeds": SGLangField("g", (list,), "prompts given as embeddings"),
     "bootstrap_pair_key": SGLangField("g", (str, list), _PD),
     "decode_tp_size": SGLangField("g", (int, list), _PD),
     "disagg_prefill_dp_rank": SGLangField("cpg", (int,), _PD),
     # A radixserve server is one data-parallel rank: rank 0 is the server itself.
-    "data_parallel_rank": SGLangField("cpg", (int,), "a data-parallel rank other than 0 (a radixserve "
-                                      "server is a single rank)", 0),
+    "data_parallel_rank": SGLangField("cpg", (int,), "a data-parallel rank other than 0 "
+                                      "(a radixserve server is a single rank)", 0),
     "routed_dp_rank": SGLangField("cpg", (int,), "a data-parallel rank other than 0 (a radixserve "
                                   "server is a single rank)", 0),
     "background": SGLangField("g", (bool,), "background responses", False),
     "return_bytes": SGLangField("g", (bool,), "image bytes (image generation)", False),
-    "return_entropy": SGLangField("g", (bool,), "the entropy of each output token's distribution", False),
+    "return_entropy": SGLangField("g", (bool,), "the entropy of each output token's distribution",
+                                  False),
     "return_routed_experts": SGLangField("cpg", (bool,), "routed experts (radixserve serves dense "
                                          "models)", False),
     # -- bookkeeping: any value is harmless
     "log_metrics": SGLangField("g", (bool,), ignored="/metrics counts every request"),
     "no_logs": SGLangField("g", (bool,), ignored="radixserve logs no request content, only ids and "
                            "token counts"),
-    "conversation_id": SGLangField("g", (str,), ignored="an id for tracking; requests are not grouped "
-                                   "by conversation"),
-    "custom_labels": SGLangField("cpg", (dict,), ignored="radixserve's metrics carry no per-request "
-                                 "labels"),
-    "stream_interval": SGLangField("s", (int,), ignored="how often a stream sends; the tokens are the "
-                                   "same (--stream-interval sets it for the server)"),
+    "conversation_id": SGLangField("g", (str,), ignored="an id for tracking; "
+                                   "requests are not grouped by conversation"),
+    "custom_labels": SGLangField("cpg", (dict,), ignored="radixserve's metrics carry no "
+                                 "per-request labels"),
+    "stream_interval": SGLangField("s", (int,), ignored="how often a stream sends; the tokens "
+                                   "are the same (--stream-interval sets it for the server)"),
     # -- SGLang's names for radixserve's fields
     "sampling_seed": SGLangField("cps", (int,), rename="seed"),
 }

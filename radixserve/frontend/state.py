@@ -65,7 +65,8 @@ class ServerState:
     # plus output): the load a router reads from /get_load.
     inflight_requests: int = 0
     inflight_tokens: int = 0
-    gen_rate: ThroughputWindow = field(default_factory=ThroughputWindow)  # /v1/loads' gen_throughput
+    # /v1/loads' gen_throughput
+    gen_rate: ThroughputWindow = field(default_factory=ThroughputWindow)
 
     @property
     def tm(self) -> TokenizerManager:
@@ -84,7 +85,8 @@ class ServerState:
 
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
                 sampling: dict[str, Any] | None, check_total: bool = False,
-                logprob_start_len: int = -1, prompt_param: str | None = None) -> tuple[list[int], SamplingParams]:
+                logprob_start_len: int = -1,
+                prompt_param: str | None = None) -> tuple[list[int], SamplingParams]:
         """Tokenize and validate one prompt; with ``check_total`` (the OpenAI routes' contract)
         the prompt plus the requested max tokens must fit the context, and a request that
         gives no max tokens may generate up to the context length, as in OpenAI and vLLM.
@@ -119,7 +121,8 @@ class ServerState:
             except ValueError as e:
                 raise APIError(str(e), 400) from e
             return ids, params
-        if check_total and sampling and sampling.get("max_new_tokens") and len(ids) + params.max_new_tokens > ctx:
+        if (check_total and sampling and sampling.get("max_new_tokens")
+                and len(ids) + params.max_new_tokens > ctx):
             raise APIError(
                 f"this model's context length is {ctx} tokens; the request asks for "
                 f"{len(ids)} prompt tokens + {params.max_new_tokens} completion tokens",
@@ -162,7 +165,8 @@ class ServerState:
                     total = now - t0
                     self.metrics.on_finish(meta, total)
                     logger.info(
-                        "request %s: prompt %d, cached %d, completion %d tokens, ttft %.3f s, total %.3f s, %s",
+                        "request %s: prompt %d, cached %d, completion %d tokens, "
+                        "ttft %.3f s, total %.3f s, %s",
                         rid, meta.prompt_tokens, meta.cached_tokens, meta.completion_tokens,
                         ttft if ttft is not None else total, total, meta.finish_type,
                     )

@@ -47,7 +47,8 @@ class GrammarCompiler:
         # xgrammar parallelises the mask precomputation of one grammar; two threads leave the
         # step loop a core on small machines.  Its own cache is off: it has no size limit by
         # default (memory grew with every distinct grammar); ``_cache`` below is the LRU.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2,
+                                             cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()

@@ -86,7 +86,9 @@ def fields_of(tp: type) -> Fields:
     )
 
 
-def check_fields(rec: Fields, value: dict[str, Any], head: str, where: Callable[[str], str]) -> None:
+def check_fields(
+    rec: Fields, value: dict[str, Any], head: str, where: Callable[[str], str]
+) -> None:
     """The names and the types of ``value``'s fields; a ValueError starts with ``head`` for
     wrong names, with ``where(name)`` for a wrong value."""
     names = value.keys()
@@ -177,7 +179,8 @@ def _levels(tp: Any, nullable: bool = False) -> list[tuple[str, frozenset]]:
     if _is_record(tp):  # an object; its fields are checked when it is built
         return [("{}", frozenset({dict} | null))]
     if tp in _SCALARS:
-        return [("{}", frozenset({float, int} if tp is float else {tp}) | null)]  # an int is a float
+        # an int is a float
+        return [("{}", frozenset({float, int} if tp is float else {tp}) | null)]
     args = typing.get_args(tp)
     if _is_union(tp):
         rest = [a for a in args if a is not type(None)]

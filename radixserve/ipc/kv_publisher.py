@@ -38,7 +38,9 @@ class KVEventPublisher:
     def __init__(self, config: KVEventsConfig, dp_rank: int = 0) -> None:
         self.config = config
         self.dp_rank = dp_rank
-        self._queue: queue.Queue[tuple[int, list[dict[str, Any]]] | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[tuple[int, list[dict[str, Any]]] | None] = queue.Queue(
+            maxsize=config.max_queue_size
+        )
         self._next_seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
@@ -47,7 +49,10 @@ class KVEventPublisher:
         self._pub.set_hwm(config.hwm)
         bind = config.bind
         if bind is None:
-            bind = any(w in config.endpoint for w in ("*", "0.0.0.0", "::")) or not config.endpoint.startswith("tcp://")
+            bind = (
+                any(w in config.endpoint for w in ("*", "0.0.0.0", "::"))
+                or not config.endpoint.startswith("tcp://")
+            )
         (self._pub.bind if bind else self._pub.connect)(config.endpoint)
         self._replay = None
         if config.replay_endpoint is not None:
@@ -109,5 +114,7 @@ class KVEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                )
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -236,13 +236,15 @@ class GenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False
-    # -1: no prompt logprobs; k >= 0: logprobs of prompt tokens [k, prompt_len) (with return_logprob)
+    # -1: no prompt logprobs; k >= 0: logprobs of prompt tokens [k, prompt_len)
+    # (with return_logprob)
     logprob_start_len: int = -1
     extra_key: str = ""  # cache namespace (``cache_salt``): prefixes are shared only within it
     priority: int = 0  # level for ``--schedule-policy priority``
     pin: bool = False  # when it finishes, pin its cached prompt (scheduler/pins.py)
     pin_ttl: float | None = None  # seconds the pin lasts; None: until unpinned
-    return_cache_report: bool = False  # meta carries where the prefix match stopped (cache/tree_view.py)
+    # meta carries where the prefix match stopped (cache/tree_view.py)
+    return_cache_report: bool = False
     bootstrap: Bootstrap | None = None  # prefill-decode disaggregation (radixserve/disagg)
 
 
@@ -263,7 +265,8 @@ class ControlReq:
 
 @message("unpin")
 class UnpinReq:
-    """Drop the pin ``pin_id``, or every pin of exactly ``input_ids`` in the namespace ``extra_key``."""
+    """Drop the pin ``pin_id``, or every pin of exactly ``input_ids`` in the namespace
+    ``extra_key``."""
 
     cid: str
     pin_id: str | None = None
@@ -291,7 +294,9 @@ def control_request(cid: str, command: str, **args: Any) -> Any:
     cls = CONTROL_WITH_ARGS.get(command)
     if cls is None:
         if args:
-            raise TypeError(f"the control command {command!r} takes no arguments, got {sorted(args)}")
+            raise TypeError(
+                f"the control command {command!r} takes no arguments, got {sorted(args)}"
+            )
         return ControlReq(cid=cid, command=command)
     return cls(cid=cid, **args)
 

@@ -45,7 +45,9 @@ class Attention(nn.Module):
     """With tensor parallelism this rank holds query heads ``[qs, qe)`` and KV heads
     ``[ks, ke)`` (``TensorParallel.head_ranges``); ``info`` describes the local heads."""
 
-    def __init__(self, config: ModelConfig, spec: ArchSpec, layer_id: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, spec: ArchSpec, layer_id: int, tp: TensorParallel
+    ) -> None:
         super().__init__()
         d = config.head_dim
         (qs, qe), (ks, ke) = tp.head_ranges(config.num_heads, config.num_kv_heads)
@@ -56,7 +58,9 @@ class Attention(nn.Module):
             config.hidden_size, {"q": full_q, "k": full_kv, "v": full_kv}, bias=spec.qkv_bias,
             parts={"q": (qs * d, qe * d), "k": (ks * d, ke * d), "v": (ks * d, ke * d)},
         )
-        self.o_proj = RowParallelLinear(full_q, config.hidden_size, spec.o_bias, tp, (qs * d, qe * d))
+        self.o_proj = RowParallelLinear(
+            full_q, config.hidden_size, spec.o_bias, tp, (qs * d, qe * d)
+        )
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.info = AttentionLayerInfo(layer_id, h, kv, d, d**-0.5)
@@ -66,7 +70,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         info = self.info
         # split_with_sizes: Tensor.split's Python wrapper is a visible cost in a one-row decode step
-        q, k, v = self.qkv_proj(x).split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split_with_sizes(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         q = q.view(-1, info.num_heads, info.head_dim)
         k = k.view(-1, info.num_kv_heads, info.head_dim)
         v = v.view(-1, info.num_kv_heads, info.head_dim)
@@ -106,7 +112,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ArchSpec, layer_id: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, spec: ArchSpec, layer_id: int, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, spec, layer_id, tp)
@@ -158,7 +166,9 @@ class CausalLM(nn.Module):
 
     spec = ArchSpec()
 
-    def __init__(self, config: ModelConfig, hf_config: Any = None, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, hf_config: Any = None, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
@@ -246,4 +256,6 @@ class CausalLM(nn.Module):
                 loaded.add(name)
         missing = expected - loaded
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}"
+            )

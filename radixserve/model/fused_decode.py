@@ -28,11 +28,19 @@ if TYPE_CHECKING:
 # How DecodeLayers runs a matmul (decode_layers.cpp's Linear): a float weight through the C++
 # loop or torch, a quantized one through the kernel its kernel_args name.
 FLOAT_KERNEL, FLOAT_TORCH = 0, 1
-QUANTIZED_KINDS = {"int8_linear": 2, "int8_linear_q8": 3, "int4_linear": 4, "int4_linear_q8": 5, "int4_linear_q16": 6}
+QUANTIZED_KINDS = {
+    "int8_linear": 2,
+    "int8_linear_q8": 3,
+    "int4_linear": 4,
+    "int4_linear_q8": 5,
+    "int4_linear_q16": 6,
+}
 _EMPTY = torch.empty(0)
 
 
-def _linear_parts(module: torch.nn.Module) -> tuple[tuple[int, int] | None, list[torch.Tensor]] | None:
+def _linear_parts(
+    module: torch.nn.Module,
+) -> tuple[tuple[int, int] | None, list[torch.Tensor]] | None:
     """A layer's matmul as DecodeLayers takes it: its kinds for a step of one row and of more
     (None: a float weight, whose kind float_linear picks by the rows) and its weight tensors then
     bias; None if it cannot."""
@@ -60,11 +68,17 @@ class FusedDecode:
         self.dims = [info.num_heads, info.num_kv_heads, info.head_dim]
         self.scaling = info.scaling
         self.eps = self.layers[0].input_layernorm.eps
-        self.model_fits = (self.ops is not None and model.tp.size == 1
-                           and info.num_heads // info.num_kv_heads <= KERNEL_MAX_GROUP
-                           and all(layer.self_attn.q_norm is None and layer.mlp.act is F.silu
-                                   and layer.input_layernorm.eps == layer.post_attention_layernorm.eps == self.eps
-                                   for layer in self.layers))
+        self.model_fits = (
+            self.ops is not None
+            and model.tp.size == 1
+            and info.num_heads // info.num_kv_heads <= KERNEL_MAX_GROUP
+            and all(
+                layer.self_attn.q_norm is None
+                and layer.mlp.act is F.silu
+                and layer.input_layernorm.eps == layer.post_attention_layernorm.eps == self.eps
+                for layer in self.layers
+            )
+        )
         self.version: int | None = None  # quantization.weights_changes() when the lists were built
         self.pool: object = None
         self.native = None  # the C++ DecodeLayers over the lists and the pool's tensors
@@ -93,12 +107,16 @@ class FusedDecode:
                     self.float_weights.append(tensors[0])
 
     def _kinds(self, rows: int) -> list[int]:
-        """The matmuls' kinds for a step of ``rows`` rows (a float weight's as float_linear picks)."""
+        """The matmuls' kinds for a step of ``rows`` rows (a float weight's as float_linear
+        picks)."""
         if rows not in self._kinds_by_rows:
             it = iter(self.float_weights)
             self._kinds_by_rows[rows] = [
-                k[rows > 1] if k is not None else (FLOAT_KERNEL if kernel_takes(rows, next(it)) else FLOAT_TORCH)
-                for k in self.kinds]
+                k[rows > 1]
+                if k is not None
+                else (FLOAT_KERNEL if kernel_takes(rows, next(it)) else FLOAT_TORCH)
+                for k in self.kinds
+            ]
         return self._kinds_by_rows[rows]
 
     def _native(self, pool: object) -> object:
@@ -108,17 +126,26 @@ class FusedDecode:
                 k_scale, v_scale = pool.get_scales(layer)
                 tensors += [*pool.get_kv(layer), _EMPTY if k_scale is None else k_scale,
                             _EMPTY if v_scale is None else v_scale]
-            self.native = self.ops.DecodeLayers(self.weights, tensors, self.eps, self.dims, self.scaling)
+            self.native = self.ops.DecodeLayers(
+                self.weights, tensors, self.eps, self.dims, self.scaling
+            )
             self.pool = pool
         return self.native
 
-    def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
+    def run(
+        self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor | None:
         """The last layer's MLP output (``residual`` updated in place), as the Python layers
         give it; None where this step takes the Python layers."""
         rows = residual.shape[0]
         plan = fb.attn_metadata
-        if (not self.model_fits or rows > KERNEL_MAX_ROWS or torch.autograd.profiler._is_profiler_enabled
-                or not isinstance(plan, KernelPlan) or not residual.is_contiguous()):
+        if (
+            not self.model_fits
+            or rows > KERNEL_MAX_ROWS
+            or torch.autograd.profiler._is_profiler_enabled
+            or not isinstance(plan, KernelPlan)
+            or not residual.is_contiguous()
+        ):
             return None
         if self.version != weights_changes():
             self._build()
@@ -126,5 +153,13 @@ class FusedDecode:
         if not self.kinds or not pool.quantized and pool.get_kv(0)[0].dtype != residual.dtype:
             return None  # a matmul it cannot take; a pool the Python path writes through torch
         return self._native(pool).run(
-            residual, self._kinds(rows), cos.view(rows, -1), sin.view(rows, -1), pool.quantized, pool.rotated,
-            fb.out_cache_loc, fb.req_to_token, list(plan.args()))
+            residual,
+            self._kinds(rows),
+            cos.view(rows, -1),
+            sin.view(rows, -1),
+            pool.quantized,
+            pool.rotated,
+            fb.out_cache_loc,
+            fb.req_to_token,
+            list(plan.args()),
+        )

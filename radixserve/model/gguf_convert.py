@@ -105,7 +105,9 @@ def convert_gguf(gguf_path: str, target: str) -> None:
         with tqdm(total=len(steps), desc=f"radixserve: converting {name}", unit="step") as bar:
             bar.set_postfix_str(steps[0])
             with _quiet_transformers():
-                model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=name, dtype=torch.float32
+                )
             bar.update(1)
 
             bar.set_postfix_str(steps[1])

@@ -58,7 +58,9 @@ class MergedLinear(nn.Module):
                  parts: dict[str, tuple[int, int]] | None = None) -> None:
         super().__init__()
         self.shard_sizes = dict(shard_sizes)
-        self.parts = {name: (parts or {}).get(name, (0, size)) for name, size in shard_sizes.items()}
+        self.parts = {
+            name: (parts or {}).get(name, (0, size)) for name, size in shard_sizes.items()
+        }
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, (lo, hi) in self.parts.items():

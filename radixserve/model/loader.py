@@ -102,7 +102,9 @@ def load_model(
     from radixserve.checkpoint.gguf_index import gguf_source
 
     gguf_path = None if load_format == "dummy" else gguf_path or gguf_source(model_path)
-    quantization = resolve_quantization(quantization, gguf_path, torch.device(device).type == "cpu", tp.size)
+    quantization = resolve_quantization(
+        quantization, gguf_path, torch.device(device).type == "cpu", tp.size
+    )
     quantize_model(model, quantization, gguf_path, int8_activations, wide_one_row)
     if torch.device(device).type == "cpu":  # one huge-page block: fewer TLB misses per step
         pack_weights(model)

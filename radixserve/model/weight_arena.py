@@ -84,6 +84,9 @@ def pack_weights(model: nn.Module) -> int:
         view.copy_(t)
         setattr(owner, attribute, view)
         offset += _aligned(size)
-    log.info("weights in one %.0f MB block of memory (%d tensors, huge pages asked for)", total / 2**20,
-             len(slots))
+    log.info(
+        "weights in one %.0f MB block of memory (%d tensors, huge pages asked for)",
+        total / 2**20,
+        len(slots),
+    )
     return total

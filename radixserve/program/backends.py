@@ -24,10 +24,14 @@ class Backend:
     def generate(self, prompt: Prompt, sampling: dict[str, Any], **logprob: Any) -> dict[str, Any]:
         return self.generate_many([prompt], sampling, **logprob)[0]
 
-    def generate_many(self, prompts: list[Prompt], sampling: dict[str, Any], **logprob: Any) -> list[dict[str, Any]]:
+    def generate_many(
+        self, prompts: list[Prompt], sampling: dict[str, Any], **logprob: Any
+    ) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def stream(self, prompt: str, sampling: dict[str, Any], **logprob: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    def stream(
+        self, prompt: str, sampling: dict[str, Any], **logprob: Any
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield ``(new_text, meta_info)`` as the generation grows."""
         raise NotImplementedError
 
@@ -57,15 +61,21 @@ class EngineBackend(Backend):
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def generate_many(self, prompts: list[Prompt], sampling: dict[str, Any], **logprob: Any) -> list[dict[str, Any]]:
-        return self.engine.generate(**_split(prompts), sampling_params=sampling, progress=False, **logprob)
+    def generate_many(
+        self, prompts: list[Prompt], sampling: dict[str, Any], **logprob: Any
+    ) -> list[dict[str, Any]]:
+        return self.engine.generate(**_split(prompts), sampling_params=sampling, progress=False,
+                                    **logprob)
 
-    def stream(self, prompt: str, sampling: dict[str, Any], **logprob: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    def stream(
+        self, prompt: str, sampling: dict[str, Any], **logprob: Any
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         for piece in self.engine.generate(prompt, sampling, stream=True, **logprob):
             yield piece["text"], piece["meta_info"]
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.engine.apply_chat_template(messages,
+                                               add_generation_prompt=add_generation_prompt)
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()
@@ -77,7 +87,9 @@ class EngineBackend(Backend):
 class RuntimeEndpoint(Backend):
     """Programs run against ``radixserve serve`` at ``base_url`` (the native routes)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, timeout: float = HTTP_TIMEOUT_S
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
@@ -88,7 +100,8 @@ class RuntimeEndpoint(Backend):
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
+        req = urllib.request.Request(self.base_url + path, data=data, headers=headers,
+                                     method=method)
         try:
             return urllib.request.urlopen(req, timeout=self.timeout)
         except urllib.error.HTTPError as e:
@@ -101,15 +114,23 @@ class RuntimeEndpoint(Backend):
             return json.loads(resp.read())
 
     @staticmethod
-    def _body(prompts: list[Prompt] | Prompt, sampling: dict[str, Any], logprob: dict[str, Any]) -> dict[str, Any]:
-        key = "input_ids" if isinstance(prompts, list) and prompts and not isinstance(prompts[0], str) else "text"
+    def _body(
+        prompts: list[Prompt] | Prompt, sampling: dict[str, Any], logprob: dict[str, Any]
+    ) -> dict[str, Any]:
+        key = ("input_ids"
+               if isinstance(prompts, list) and prompts and not isinstance(prompts[0], str)
+               else "text")
         return {key: prompts, "sampling_params": sampling, **logprob}
 
-    def generate_many(self, prompts: list[Prompt], sampling: dict[str, Any], **logprob: Any) -> list[dict[str, Any]]:
+    def generate_many(
+        self, prompts: list[Prompt], sampling: dict[str, Any], **logprob: Any
+    ) -> list[dict[str, Any]]:
         _split(prompts)  # one kind per batch
         return self._call("POST", "/generate", self._body(list(prompts), sampling, logprob))
 
-    def stream(self, prompt: str, sampling: dict[str, Any], **logprob: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    def stream(
+        self, prompt: str, sampling: dict[str, Any], **logprob: Any
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         body = {**self._body(prompt, sampling, logprob), "stream": True}
         seen = 0
         with self._open("POST", "/generate", body) as resp:
@@ -162,4 +183,6 @@ def as_backend(x: Any) -> Backend:
 
     if isinstance(x, Engine):
         return EngineBackend(x)
-    raise ValueError(f"a program backend is an Engine, a server URL or a Backend, not {type(x).__name__}")
+    raise ValueError(
+        f"a program backend is an Engine, a server URL or a Backend, not {type(x).__name__}"
+    )

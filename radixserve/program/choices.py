@@ -81,7 +81,8 @@ class GreedyTokenSelection(ChoicesMethod):
                unconditional: list[list[Entry]] | None) -> tuple[list[float], dict[str, Any]]:
         width = max(len(t) for t in token_logprobs)
         # [choice][position]: the token's logprob, or past the choice's end its own mean.
-        matrix = [[float(e[0]) for e in t] + [mean_logprob(t)] * (width - len(t)) for t in token_logprobs]
+        matrix = [[float(e[0]) for e in t] + [mean_logprob(t)] * (width - len(t))
+                  for t in token_logprobs]
         alive = list(range(len(matrix)))
         dropped_at = [float(width)] * len(matrix)
         for j in range(width):

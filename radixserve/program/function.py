@@ -71,7 +71,9 @@ class Program:
     def __init__(self, fn: Callable[..., Any]) -> None:
         params = list(inspect.signature(fn).parameters)
         if not params:
-            raise ValueError(f"a program function takes the state as its first argument: {fn.__name__}()")
+            raise ValueError(
+                f"a program function takes the state as its first argument: {fn.__name__}()"
+            )
         self.fn = fn
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
@@ -99,7 +101,8 @@ class Program:
         """Run the program with ``args`` / ``kwargs``; the sampling keywords are defaults for
         every ``gen`` that does not set its own."""
         defaults = _defaults(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             top_k=top_k, min_p=min_p, stop=stop, frequency_penalty=frequency_penalty,
+                             top_k=top_k, min_p=min_p, stop=stop,
+                             frequency_penalty=frequency_penalty,
                              presence_penalty=presence_penalty, ignore_eos=ignore_eos, seed=seed)
         return self._run(_backend(backend), defaults, stream, args, kwargs)
 
@@ -143,7 +146,8 @@ class Program:
         if unknown:
             raise ValueError(f"run_batch got unknown sampling arguments {sorted(unknown)}")
         defaults = _defaults(**sampling)
-        threads = min(len(batch_kwargs), MAX_AUTO_THREADS) if num_threads == "auto" else int(num_threads)
+        threads = (min(len(batch_kwargs), MAX_AUTO_THREADS) if num_threads == "auto"
+                   else int(num_threads))
         if threads < 1:
             raise ValueError(f"num_threads must be >= 1 or 'auto', got {num_threads!r}")
 

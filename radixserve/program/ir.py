@@ -81,7 +81,9 @@ def _parts(x: Any) -> list[Expr]:
         return [x]
     if isinstance(x, str):
         return [Text(x)]
-    raise ValueError(f"a program can append text or gen/select/role expressions, not {type(x).__name__}")
+    raise ValueError(
+        f"a program can append text or gen/select/role expressions, not {type(x).__name__}"
+    )
 
 
 def as_exprs(x: Any) -> list[Expr]:
@@ -132,9 +134,12 @@ def gen(
     :func:`select`."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0
+    ):
         raise ValueError(f"gen max_tokens must be an integer >= 0, got {max_tokens!r}")
-    constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype)) if v is not None]
+    constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype))
+                   if v is not None]
     if len(constraints) > 1:
         raise ValueError(f"gen takes one constraint, got {' and '.join(constraints)}")
     if regex is not None and not isinstance(regex, str):
@@ -143,7 +148,8 @@ def gen(
         if isinstance(json_schema, dict):
             json_schema = json.dumps(json_schema)
         elif not isinstance(json_schema, str):
-            raise ValueError(f"gen json_schema must be a dict or a JSON string, got {type(json_schema).__name__}")
+            raise ValueError("gen json_schema must be a dict or a JSON string, "
+                             f"got {type(json_schema).__name__}")
     if dtype is not None:
         key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", "")
         if key not in _DTYPE_REGEX:
@@ -162,8 +168,8 @@ def gen(
         ("ignore_eos", ignore_eos), ("seed", seed), ("regex", regex), ("json_schema", json_schema),
     ):
         _put(sampling, key, value)
-    return Gen(_name(name), sampling, bool(return_logprob), int(top_logprobs_num), int(logprob_start_len),
-               bool(return_text_in_logprobs))
+    return Gen(_name(name), sampling, bool(return_logprob), int(top_logprobs_num),
+               int(logprob_start_len), bool(return_text_in_logprobs))
 
 
 def select(name: str | None = None, choices: list[str] | None = None, *,
@@ -180,7 +186,9 @@ def select(name: str | None = None, choices: list[str] | None = None, *,
         raise ValueError("select choices must be distinct")
     method = choices_method or token_length_normalized
     if not isinstance(method, ChoicesMethod):
-        raise ValueError(f"choices_method must be one of the program's choices methods, got {method!r}")
+        raise ValueError(
+            f"choices_method must be one of the program's choices methods, got {method!r}"
+        )
     return Select(_name(name), list(choices), method)
 
 

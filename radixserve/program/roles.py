@@ -61,17 +61,21 @@ class ChatRenderer:
     def message_text(self, messages: list[dict[str, Any]], role: str, content: str) -> str:
         """The text one plain message adds after ``messages``."""
         before = self.render(messages)
-        return self.delta(before, self.render([*messages, {"role": role, "content": content}]), f"a {role} message")
+        return self.delta(before, self.render([*messages, {"role": role, "content": content}]),
+                          f"a {role} message")
 
     def open_close(self, messages: list[dict[str, Any]], role: str) -> tuple[str, str]:
         """The text before and after the content of a message that generates."""
         before = self.render(messages)
-        probe = self.delta(before, self.render([*messages, {"role": role, "content": _PLACEHOLDER}]),
+        probe = self.delta(before,
+                           self.render([*messages, {"role": role, "content": _PLACEHOLDER}]),
                            f"a {role} message")
         at = probe.find(_PLACEHOLDER)
         if at < 0:
-            raise ValueError(f"the model's chat template does not show a {role} message's content as given")
+            raise ValueError(f"the model's chat template does not show a {role} message's "
+                             "content as given")
         opening, closing = probe[:at], probe[at + len(_PLACEHOLDER):]
         if role == "assistant":
-            opening = self.delta(before, self.render(messages, add_generation_prompt=True), "a reply prompt")
+            opening = self.delta(before, self.render(messages, add_generation_prompt=True),
+                                 "a reply prompt")
         return opening, closing

@@ -32,7 +32,9 @@ def _choice_tokens(entries: list[Entry], prompt_last_id: int) -> list[Entry]:
     return entries
 
 
-def score_choices(backend: Backend, prompt: str, choices: list[str], method: ChoicesMethod) -> ChoiceScores:
+def score_choices(
+    backend: Backend, prompt: str, choices: list[str], method: ChoicesMethod
+) -> ChoiceScores:
     if not prompt:
         raise ValueError("select needs some text before it to score the choices after")
     head = backend.generate(prompt, dict(_SCORE), return_logprob=True)
@@ -42,7 +44,8 @@ def score_choices(backend: Backend, prompt: str, choices: list[str], method: Cho
         [prompt + c for c in choices], dict(_SCORE), return_logprob=True,
         logprob_start_len=max(prompt_len - 1, 0), return_text_in_logprobs=True,
     )
-    token_logprobs = [_choice_tokens(o["meta_info"]["input_token_logprobs"], prompt_last_id) for o in outs]
+    token_logprobs = [_choice_tokens(o["meta_info"]["input_token_logprobs"], prompt_last_id)
+                      for o in outs]
     unconditional: list[list[Entry]] | None = None
     if method.needs_unconditional:
         ids = [[e[1] for e in t] for t in token_logprobs]

@@ -26,7 +26,9 @@ _END = object()  # queued last by a streaming run: the program has no more steps
 class Run:
     """What the states of one program run share: backend, defaults, every state created."""
 
-    def __init__(self, backend: Backend, defaults: dict[str, Any], stream: bool, renderer: ChatRenderer) -> None:
+    def __init__(
+        self, backend: Backend, defaults: dict[str, Any], stream: bool, renderer: ChatRenderer
+    ) -> None:
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
@@ -56,7 +58,8 @@ class ProgramState:
     """``s`` in ``def program(s, ...)``."""
 
     def __init__(self, run: Run, text: str = "", messages: list[dict[str, Any]] | None = None,
-                 variables: dict[str, Any] | None = None, meta: dict[str, Any] | None = None) -> None:
+                 variables: dict[str, Any] | None = None,
+                 meta: dict[str, Any] | None = None) -> None:
         self._run = run
         self._text = text
         self._messages = list(messages or [])
@@ -83,7 +86,8 @@ class ProgramState:
     def _submit(self, item: Any) -> None:
         with self._cv:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="radixserve-program", daemon=True)
+                self._thread = threading.Thread(target=self._work, name="radixserve-program",
+                                                daemon=True)
                 self._thread.start()
             self._pending += 1
         self._queue.put(item)
@@ -99,7 +103,8 @@ class ProgramState:
             self._run.backend.generate(self._text, {"max_new_tokens": 0})
         forks = []
         for _ in range(n):
-            forks.append(ProgramState(self._run, self._text, self._messages, self._vars, self._meta))
+            forks.append(ProgramState(self._run, self._text, self._messages, self._vars,
+                                      self._meta))
         return ProgramStateGroup(forks, self)
 
     # ---- reading -------------------------------------------------------------------------
@@ -149,7 +154,8 @@ class ProgramState:
         seen = 0
 
         def ready() -> bool:
-            return seen < len(self._pieces) or self._ended or self.error is not None or var_name in self._done_vars
+            return (seen < len(self._pieces) or self._ended or self.error is not None
+                    or var_name in self._done_vars)
 
         while True:
             with self._cv:
@@ -288,7 +294,9 @@ class ProgramStateGroup(list):
         """Wait for every branch.  ``mode="concate_and_append"`` also appends each branch's
         new text to the parent, in order."""
         if mode not in ("gather_variable", "concate_and_append"):
-            raise ValueError(f"join mode must be gather_variable or concate_and_append, got {mode!r}")
+            raise ValueError(
+                f"join mode must be gather_variable or concate_and_append, got {mode!r}"
+            )
         for f in self:
             f._sync()
         if mode == "concate_and_append":

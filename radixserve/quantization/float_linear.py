@@ -15,7 +15,9 @@ from radixserve.hardware import cpu_bf16_feature
 KERNEL_MAX_ROWS = 8  # rows of a step that the quantized weights' C++ kernels take (weights.py)
 
 
-def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def float_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear``, through the C++ loop where :func:`_kernel_rows` says it wins."""
     if not _float_kernel_fits(x, weight):
         return F.linear(x, weight, bias)
@@ -59,10 +61,17 @@ def _float_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def kernel_takes(rows: int, weight: torch.Tensor) -> bool:
     """Whether ``float_linear`` multiplies ``rows`` contiguous rows of the weight's dtype by
     ``weight`` through the C++ loop (model/fused_decode.py asks it once per step)."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] % 32 or not weight.is_contiguous():
+    if (
+        weight.device.type != "cpu"
+        or weight.dim() != 2
+        or weight.shape[1] % 32
+        or not weight.is_contiguous()
+    ):
         return False
     ops = _float_kernel()
-    return ops is not None and rows in _kernel_rows(weight.dtype, ops.vector_width(), cpu_bf16_feature())
+    return ops is not None and rows in _kernel_rows(
+        weight.dtype, ops.vector_width(), cpu_bf16_feature()
+    )
 
 
 @functools.cache

@@ -37,8 +37,13 @@ class RuntimeClient:
         self.procs = procs
         self.info = info
         self.tokenizer = procs.tokenizer
-        self.tm = TokenizerManager(self.tokenizer, info, procs.paths.scheduler, procs.paths.frontend,
-                                   slow_reader_timeout=slow_reader_timeout)
+        self.tm = TokenizerManager(
+            self.tokenizer,
+            info,
+            procs.paths.scheduler,
+            procs.paths.frontend,
+            slow_reader_timeout=slow_reader_timeout,
+        )
         self.down_prefix = down_prefix
         self.down_note = down_note
         self.on_dead = on_dead
@@ -68,8 +73,18 @@ class RuntimeClient:
                         await result
                 return
 
-    def pieces(self, job: Job, lp: LogprobRequest, *, stream: bool, rid: str | None = None) -> AsyncIterator[Piece]:
+    def pieces(
+        self, job: Job, lp: LogprobRequest, *, stream: bool, rid: str | None = None
+    ) -> AsyncIterator[Piece]:
         """The pieces of one job (aborted in the scheduler if the consumer stops early)."""
-        return self.tm.generate(job.ids, job.params, stream, lp.return_logprob, lp.top_logprobs_num, rid=rid,
-                                logprob_start_len=lp.scheduler_start(len(job.ids)), hints=job.hints)
+        return self.tm.generate(
+            job.ids,
+            job.params,
+            stream,
+            lp.return_logprob,
+            lp.top_logprobs_num,
+            rid=rid,
+            logprob_start_len=lp.scheduler_start(len(job.ids)),
+            hints=job.hints,
+        )
 

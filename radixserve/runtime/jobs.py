@@ -64,7 +64,9 @@ def split_batch(
         texts = [None] * len(ids_list)
     n = len(texts)
     if batched and n == 0:
-        raise InvalidRequestError("the batch is empty", param="text" if text is not None else "input_ids")
+        raise InvalidRequestError(
+            "the batch is empty", param="text" if text is not None else "input_ids"
+        )
     if isinstance(sampling_params, list):
         if len(sampling_params) != n:
             raise InvalidRequestError(f"{len(sampling_params)} sampling_params for {n} prompts",
@@ -73,17 +75,25 @@ def split_batch(
     elif sampling_params is None or isinstance(sampling_params, dict):
         sps = [sampling_params] * n
     else:
-        raise InvalidRequestError("sampling_params must be a dict or a list of dicts", param="sampling_params")
+        raise InvalidRequestError(
+            "sampling_params must be a dict or a list of dicts", param="sampling_params"
+        )
     keys = extra_key if isinstance(extra_key, list) else [extra_key] * n
     if len(keys) != n:
-        raise InvalidRequestError(f"{len(keys)} extra_key values for {n} prompts", param="extra_key")
+        raise InvalidRequestError(
+            f"{len(keys)} extra_key values for {n} prompts", param="extra_key"
+        )
     rooms = bootstraps(*bootstrap, n) if bootstrap is not None else [None] * n
     hints = [SchedulingHints(key or "", priority, cache_report=cache_report, bootstrap=b)
              for key, b in zip(keys, rooms, strict=True)]
-    return batched, [PromptSpec(t, ids, sp, h) for t, ids, sp, h in zip(texts, ids_list, sps, hints, strict=True)]
+    return batched, [
+        PromptSpec(t, ids, sp, h) for t, ids, sp, h in zip(texts, ids_list, sps, hints, strict=True)
+    ]
 
 
-def bootstraps(host: Any, port: Any, room: Any, n: int, prompts: int | None = None) -> list[Bootstrap | None]:
+def bootstraps(
+    host: Any, port: Any, room: Any, n: int, prompts: int | None = None
+) -> list[Bootstrap | None]:
     """SGLang's bootstrap fields of a call of ``n`` requests as each one's :class:`Bootstrap`.
 
     Each field is one value, a list of one value per request, or (with ``prompts``: the
@@ -94,7 +104,11 @@ def bootstraps(host: Any, port: Any, room: Any, n: int, prompts: int | None = No
         return [None] * n
     groups = prompts or n
     columns = []
-    for name, value in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room)):
+    for name, value in (
+        ("bootstrap_host", host),
+        ("bootstrap_port", port),
+        ("bootstrap_room", room),
+    ):
         if not isinstance(value, list):
             columns.append([value] * n)
         elif len(value) == n:

@@ -103,8 +103,14 @@ class ProcessGroup:
         model_args = dataclasses.replace(self.args, api_key=None)
         self.procs["scheduler"] = ctx.Process(
             target=run_scheduler_process,
-            args=(model_args, self.model_path, self.paths.scheduler, self.paths.detokenizer, sched_w,
-                  self.paths.folder),
+            args=(
+                model_args,
+                self.model_path,
+                self.paths.scheduler,
+                self.paths.detokenizer,
+                sched_w,
+                self.paths.folder,
+            ),
             name="radixserve-scheduler",
             daemon=True,
         )
@@ -122,7 +128,13 @@ class ProcessGroup:
             )
         self.procs["detokenizer"] = ctx.Process(
             target=run_detokenizer_process,
-            args=(tokenizer_path, self.paths.detokenizer, self.paths.frontend, detok_w, self.args.log_level),
+            args=(
+                tokenizer_path,
+                self.paths.detokenizer,
+                self.paths.frontend,
+                detok_w,
+                self.args.log_level,
+            ),
             name="radixserve-detokenizer",
             daemon=True,
         )
@@ -154,7 +166,9 @@ class ProcessGroup:
         while len(ready) < len(pipes):
             if time.monotonic() > deadline:
                 late = [name for name in pipes if name not in ready]
-                raise RuntimeError(f"{', '.join(late)} not ready after {self.args.startup_timeout} s")
+                raise RuntimeError(
+                    f"{', '.join(late)} not ready after {self.args.startup_timeout} s"
+                )
             for name, pipe in pipes.items():
                 if name in ready:
                     continue
@@ -164,8 +178,10 @@ class ProcessGroup:
                         raise RuntimeError(payload)
                     ready[name] = payload
                 elif not self.procs[name].is_alive():
-                    raise RuntimeError(f"{name} process exited with code {self.procs[name].exitcode} "
-                                       "during start-up")
+                    raise RuntimeError(
+                        f"{name} process exited with code {self.procs[name].exitcode} "
+                        "during start-up"
+                    )
         return ready
 
     def dead_process(self) -> str | None:

@@ -2,8 +2,8 @@
 
 The tokenizer manager yields pieces (``pieces.py``) in radixserve's internal shape
 (``logprobs``: floats, ``top_logprobs``: ``[token_id, logprob]`` pairs, ``input_logprobs`` from
-the scheduler's start).  A native result is ``{"text", "output_ids", "meta_info"}``; with ``return_logprob``
-its ``meta_info`` always holds, as SGLang's does:
+the scheduler's start).  A native result is ``{"text", "output_ids", "meta_info"}``; with
+``return_logprob`` its ``meta_info`` always holds, as SGLang's does:
 
 - ``output_token_logprobs``: one ``[logprob, token_id, text]`` per output token (``[]`` for
   ``max_new_tokens = 0``);
@@ -101,17 +101,26 @@ class NativeOutput:
             return [lp, tok, texts.get(tok)]
 
         def top_list(pairs: list[list[Any]] | None) -> list[Triple] | None:
-            return None if pairs is None or not want_top else [triple(lp, int(t)) for t, lp in pairs]
+            return (
+                None if pairs is None or not want_top else [triple(lp, int(t)) for t, lp in pairs]
+            )
 
         return {
             "output_token_logprobs": [triple(lp, t) for lp, t in zip(values, out_ids, strict=True)],
-            "output_top_logprobs": [top_list(tops[j] if j < len(tops) else None) for j in range(len(values))],
-            "input_token_logprobs": [triple(lp, t) for lp, t in zip(in_values, in_ids, strict=True)],
-            "input_top_logprobs": [top_list(in_tops[j] if j < len(in_tops) else None)
-                                   for j in range(len(in_values))],
+            "output_top_logprobs": [
+                top_list(tops[j] if j < len(tops) else None) for j in range(len(values))
+            ],
+            "input_token_logprobs": [
+                triple(lp, t) for lp, t in zip(in_values, in_ids, strict=True)
+            ],
+            "input_top_logprobs": [
+                top_list(in_tops[j] if j < len(in_tops) else None) for j in range(len(in_values))
+            ],
         }
 
-    def _texts(self, out_ids: list[int], tops: list[Any], in_ids: list[int], in_tops: list[Any]) -> dict[int, str]:
+    def _texts(
+        self, out_ids: list[int], tops: list[Any], in_ids: list[int], in_tops: list[Any]
+    ) -> dict[int, str]:
         """Each token's own text (one batched decode), when the request asked for text."""
         if not self.lp.return_text_in_logprobs:
             return {}

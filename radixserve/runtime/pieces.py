@@ -43,12 +43,24 @@ class RequestMeta:
     spec: dict[str, float] | None = None
 
     @classmethod
-    def of_row(cls, rid: str, row: ReqMeta, finished: FinishReason | None, **timing: float | None) -> RequestMeta:
+    def of_row(
+        cls, rid: str, row: ReqMeta, finished: FinishReason | None, **timing: float | None
+    ) -> RequestMeta:
         """The scheduler's description of one row, for the client's request ``rid``;
         ``timing``: ``ttft`` and ``e2e_latency`` where known."""
-        return cls(rid, row.prompt_tokens, row.cached_tokens, row.completion_tokens, finished, row.queue_time,
-                   pin=row.pin, cached_tokens_details=row.cached_tokens_details,
-                   cache_report=row.cache_report, spec=row.spec, **timing)
+        return cls(
+            rid,
+            row.prompt_tokens,
+            row.cached_tokens,
+            row.completion_tokens,
+            finished,
+            row.queue_time,
+            pin=row.pin,
+            cached_tokens_details=row.cached_tokens_details,
+            cache_report=row.cache_report,
+            spec=row.spec,
+            **timing,
+        )
 
     @property
     def finish_type(self) -> str | None:
@@ -56,8 +68,12 @@ class RequestMeta:
 
     def info(self) -> dict[str, Any]:
         """SGLang's ``meta_info`` (``/generate``, ``Engine.generate``)."""
-        d: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                             "completion_tokens": self.completion_tokens, "queue_time": self.queue_time}
+        d: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "queue_time": self.queue_time,
+        }
         if self.pin is not None:
             d["pin"] = self.pin.to_dict()
         if self.cached_tokens_details:

@@ -77,11 +77,21 @@ class SchedulingHints:
         if not isinstance(self.extra_key, str) or len(self.extra_key) > MAX_EXTRA_KEY_CHARS:
             raise InvalidRequestError(f"cache_salt / extra_key must be a string of at most "
                                       f"{MAX_EXTRA_KEY_CHARS} characters", param="extra_key")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or abs(self.priority) >= PRIORITY_LIMIT:
-            raise InvalidRequestError(f"priority must be an integer with |priority| < 2**31, got {self.priority!r}",
-                                      param="priority")
-        if self.pin_ttl is not None and not (isinstance(self.pin_ttl, (int, float)) and 0 < self.pin_ttl < 1e9):
-            raise InvalidRequestError(f"ttl must be a positive number of seconds, got {self.pin_ttl!r}", param="ttl")
+        if (
+            isinstance(self.priority, bool)
+            or not isinstance(self.priority, int)
+            or abs(self.priority) >= PRIORITY_LIMIT
+        ):
+            raise InvalidRequestError(
+                f"priority must be an integer with |priority| < 2**31, got {self.priority!r}",
+                param="priority",
+            )
+        if self.pin_ttl is not None and not (
+            isinstance(self.pin_ttl, (int, float)) and 0 < self.pin_ttl < 1e9
+        ):
+            raise InvalidRequestError(
+                f"ttl must be a positive number of seconds, got {self.pin_ttl!r}", param="ttl"
+            )
 
 
 def decode_divergence(tokenizer: Any, report: dict[str, Any]) -> dict[str, Any]:
@@ -116,8 +126,14 @@ class TokenizerManager:
     ``by_rid`` maps the client's ids of running requests to them (one running request
     per client id)."""
 
-    def __init__(self, tokenizer: Any, model_info: m.ModelInfo, scheduler_addr: str, frontend_addr: str,
-                 slow_reader_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_info: m.ModelInfo,
+        scheduler_addr: str,
+        frontend_addr: str,
+        slow_reader_timeout: float = 30.0,
+    ) -> None:
         self.tokenizer = tokenizer
         self.info = model_info
         self.scheduler_addr = scheduler_addr
@@ -244,12 +260,15 @@ class TokenizerManager:
             return None
         if self.info.disaggregation_mode == "null":
             raise InvalidRequestError(
-                "bootstrap_room asks for prefill-decode disaggregation, and this worker prefills and "
-                "decodes itself: start a pair with --disaggregation-mode prefill and decode",
-                param="bootstrap_room")
+                "bootstrap_room asks for prefill-decode disaggregation, and this worker prefills "
+                "and decodes itself: start a pair with --disaggregation-mode prefill and decode",
+                param="bootstrap_room",
+            )
         if self.info.disaggregation_mode == "decode" and not hints.bootstrap.host:
-            raise InvalidRequestError("a decode worker needs bootstrap_host: the prefill worker to take the "
-                                      "KV from", param="bootstrap_host")
+            raise InvalidRequestError(
+                "a decode worker needs bootstrap_host: the prefill worker to take the KV from",
+                param="bootstrap_host",
+            )
         return hints.bootstrap
 
     async def abort(self, rid: str) -> bool:
@@ -268,7 +287,9 @@ class TokenizerManager:
         async for piece in self.generate(ids, params, hints=dataclasses.replace(hints, pin=True)):
             result = piece.meta.pin
         if result is None or result.error is not None:
-            raise InvalidRequestError(result.error if result else "the scheduler did not pin the prompt")
+            raise InvalidRequestError(
+                result.error if result else "the scheduler did not pin the prompt"
+            )
         return result.to_dict()
 
     async def control(self, command: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
@@ -327,7 +348,9 @@ class TokenizerManager:
                 ttft=None if state.first_token_at is None else state.first_token_at - state.created,
                 e2e_latency=None if finished is None else now - state.created)
             if row.cache_report is not None:
-                meta.cache_report = CacheReport(**decode_divergence(self.tokenizer, row.cache_report.to_dict()))
+                meta.cache_report = CacheReport(
+                    **decode_divergence(self.tokenizer, row.cache_report.to_dict())
+                )
             item = Piece(msg.text_deltas[i], msg.new_ids[i], meta, finished is not None)
             if msg.logprobs and msg.logprobs[i] is not None:
                 item.logprobs = msg.logprobs[i]

@@ -89,7 +89,10 @@ class Spec:
             item = {"type": "string", "minLength": 1}
             out = {"anyOf": [item, {"type": "array", "items": item, "maxItems": self.max_items}]}
         elif self.kind == TOKEN_IDS:
-            out = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}}
+            out = {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+            }
         else:
             out = {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                    "additionalProperties": Spec(FLOAT, ge=self.ge, le=self.le).json_schema()}
@@ -124,7 +127,8 @@ class Spec:
 
 
 def param(default: Any, kind: str, doc: str = "", **bounds: Any) -> Any:
-    """A ``SamplingParams`` field carrying its ``Spec`` (``default``: a value, or ``list``/``dict``)."""
+    """A ``SamplingParams`` field carrying its ``Spec`` (``default``: a value, or
+    ``list``/``dict``)."""
     spec = Spec(kind, doc, **bounds)
     if default in (list, dict):
         return field(default_factory=default, metadata={"spec": spec})

@@ -14,7 +14,8 @@ LOGPROB_SLICE_ROWS = 1024
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, top_ns: list[int]
 ) -> tuple[list[float], list[list[list[float]]]]:
-    """``log_softmax(logits[i])[targets[i]]`` and the ``top_ns[i]`` most likely ``[token, logprob]``.
+    """``log_softmax(logits[i])[targets[i]]`` and the ``top_ns[i]`` most likely
+    ``[token, logprob]``.
 
     logits: ``[R, V]``; targets: ``[R]`` int64 on the same device; ``top_ns``: R ints >= 0.
     One host read-back for the whole call (ids travel as float64, exact below 2**53).

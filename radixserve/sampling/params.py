@@ -105,8 +105,9 @@ class SamplingParams:
     top_p: float = param(1.0, FLOAT, gt=0, le=1, openai="top_p")
     top_k: int = param(-1, INT, "-1: off", ge=1, off=-1, openai="top_k")
     min_p: float = param(0.0, FLOAT, ge=0, le=1, openai="min_p")
-    stop: list[str] = param(list, STOPS, "a string or a list of strings", max_items=MAX_STOP_SEQUENCES,
-                            openai="stop")
+    stop: list[str] = param(
+        list, STOPS, "a string or a list of strings", max_items=MAX_STOP_SEQUENCES, openai="stop"
+    )
     stop_token_ids: list[int] = param(list, TOKEN_IDS, openai="stop_token_ids")
     repetition_penalty: float = param(1.0, FLOAT, gt=0, openai="repetition_penalty")
     frequency_penalty: float = param(0.0, FLOAT, ge=-2, le=2, openai="frequency_penalty")
@@ -118,8 +119,14 @@ class SamplingParams:
                                openai="no_stop_trim")
     logit_bias: dict[int, float] = param(dict, BIAS, "token id -> bias added to its logit first",
                                          ge=-100, le=100, openai="logit_bias")
-    min_new_tokens: int = param(0, INT, "EOS and stop tokens are masked until this many new tokens "
-                                "exist (at most the maximum number of new tokens)", ge=0, openai="min_tokens")
+    min_new_tokens: int = param(
+        0,
+        INT,
+        "EOS and stop tokens are masked until this many new tokens "
+        "exist (at most the maximum number of new tokens)",
+        ge=0,
+        openai="min_tokens",
+    )
     # Constrained decoding: at most one of these (see radixserve/grammar).  The OpenAI bodies
     # spell them their own way (response_format, ...), so they are not derived there.
     json_schema: str | None = param(None, TEXT, "a JSON schema, as a JSON string")
@@ -135,14 +142,21 @@ class SamplingParams:
             if value is None and f.name not in _NULLABLE:
                 value = default_of(f)  # None: the default (a list or object field given as null)
             if value is not None:
-                object.__setattr__(self, f.name, f.metadata["spec"].check(f"sampling_params.{f.name}", f.name, value))
+                object.__setattr__(
+                    self,
+                    f.name,
+                    f.metadata["spec"].check(f"sampling_params.{f.name}", f.name, value),
+                )
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(given)}")
+            raise ValueError(
+                f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(given)}"
+            )
         if self.min_new_tokens > self.max_new_tokens:
             raise FieldError(
                 "min_new_tokens",
-                f"sampling_params.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}"
+                "sampling_params.min_new_tokens must be in [0, max_new_tokens], "
+                f"got {self.min_new_tokens}",
             )
 
     @classmethod
@@ -154,7 +168,9 @@ class SamplingParams:
         if d is None:
             return cls()
         if not isinstance(d, dict):
-            raise FieldError("sampling_params", f"sampling_params must be an object, got {type(d).__name__}")
+            raise FieldError(
+                "sampling_params", f"sampling_params must be an object, got {type(d).__name__}"
+            )
         valid = [f.name for f in fields(cls)]
         unknown = sorted(k for k in d if k not in valid and k not in SGLANG_ONLY_FIELDS)
         if unknown:
@@ -188,7 +204,8 @@ class SamplingParams:
         if bad:
             raise FieldError(
                 "logit_bias",
-                f"sampling_params.logit_bias token ids {bad} out of range for vocab size {vocab_size}"
+                f"sampling_params.logit_bias token ids {bad} out of range for vocab size "
+                f"{vocab_size}",
             )
 
     @property
@@ -203,7 +220,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         """Sampling reads the output (and prompt) ids: repetition, frequency or presence penalty."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     @property
     def is_greedy(self) -> bool:

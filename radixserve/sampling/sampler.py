@@ -117,12 +117,9 @@ class SamplingBatch:
         ``steps[i]``, the tokens row i's request has generated before it, defaults to
         ``len(output_ids[i])``."""
         n = len(params)
-        if (
-            len(seeds) != n
-            or len(output_ids) != n
-            or (prompt_ids is not None and len(prompt_ids) != n)
-            or (steps is not None and len(steps) != n)
-        ):
+        if (len(seeds) != n or len(output_ids) != n
+                or (prompt_ids is not None and len(prompt_ids) != n)
+                or (steps is not None and len(steps) != n)):
             raise ValueError(
                 "params, seeds, output_ids, prompt_ids and steps must have one entry per request"
             )
@@ -150,13 +147,16 @@ class SamplingBatch:
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         sampled_rows = None if len(sampled) == n else upload.add(sampled)
         has_filter = [_has_filter(params[i], vocab_size) for i in sampled]
-        filtered_rows = upload.add([j for j, f in enumerate(has_filter) if f]) if any(has_filter) else None
-        plain_rows = upload.add([j for j, f in enumerate(has_filter) if not f]) if not all(has_filter) else None
+        filtered_rows = (upload.add([j for j, f in enumerate(has_filter) if f])
+                         if any(has_filter) else None)
+        plain_rows = (upload.add([j for j, f in enumerate(has_filter) if not f])
+                      if not all(has_filter) else None)
         logit_bias = _stage_logit_bias(upload, params)
         seen_ids, out_ids = _stage_penalty_ids(upload, params, output_ids, prompt_ids, vocab_size)
         upload.send()
-        floats, ints, sampled_rows, filtered_rows, plain_rows, logit_bias, seen_ids, out_ids = resolve(
-            (floats, ints, sampled_rows, filtered_rows, plain_rows, logit_bias, seen_ids, out_ids))
+        (floats, ints, sampled_rows, filtered_rows, plain_rows, logit_bias, seen_ids,
+         out_ids) = resolve((floats, ints, sampled_rows, filtered_rows, plain_rows, logit_bias,
+                             seen_ids, out_ids))
         temps, top_ps, min_ps, reps, freqs, pres = floats.unbind(0)
         seed_t, steps, top_ks = ints.unbind(0)
         return cls(
@@ -174,7 +174,8 @@ class SamplingBatch:
             num_sampled=len(sampled),
             filtered_rows=filtered_rows,
             plain_rows=plain_rows,
-            max_top_k=max((params[i].top_k for i in sampled if 0 < params[i].top_k < vocab_size), default=0),
+            max_top_k=max((params[i].top_k for i in sampled if 0 < params[i].top_k < vocab_size),
+                          default=0),
             logit_bias=logit_bias,
             seen_mask=None if seen_ids is None else count_tokens(seen_ids, vocab_size) > 0,
             output_counts=None if out_ids is None else count_tokens(out_ids, vocab_size),
@@ -229,7 +230,9 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     ``u`` lies strictly inside (0, 1), so a zero weight is never drawn."""
     cumulative = weights.cumsum(dim=-1)
     target = uniform[:, None] * cumulative[:, -1:]
-    return torch.searchsorted(cumulative, target, right=True).clamp_(max=weights.shape[-1] - 1)[:, 0]
+    return torch.searchsorted(cumulative, target, right=True).clamp_(
+        max=weights.shape[-1] - 1
+    )[:, 0]
 
 
 def _filtered_candidates(
@@ -273,8 +276,9 @@ def _sample_rows(
     vocab = logits.shape[-1]
     k = min(vocab, max(candidates, batch.max_top_k))
     weights, ids, uncovered = _filtered_candidates(
-        torch.log_softmax(scaled.index_select(0, filtered), dim=-1), pick(batch.top_ks).index_select(0, filtered),
-        pick(batch.top_ps).index_select(0, filtered), pick(batch.min_ps).index_select(0, filtered), k)
+        torch.log_softmax(scaled.index_select(0, filtered), dim=-1),
+        pick(batch.top_ks).index_select(0, filtered), pick(batch.top_ps).index_select(0, filtered),
+        pick(batch.min_ps).index_select(0, filtered), k)
     drawn = ids.gather(1, _inverse_cdf(weights, uniform.index_select(0, filtered))[:, None])[:, 0]
     if plain is None:
         return drawn, uncovered
@@ -283,8 +287,8 @@ def _sample_rows(
     out.index_copy_(0, plain, _inverse_cdf(torch.softmax(scaled.index_select(0, plain), dim=-1),
                                            uniform.index_select(0, plain)))
     if uncovered is not None:
-        uncovered = torch.zeros(scaled.shape[0], dtype=torch.bool, device=logits.device).index_copy_(
-            0, filtered, uncovered)
+        uncovered = torch.zeros(scaled.shape[0], dtype=torch.bool,
+                                device=logits.device).index_copy_(0, filtered, uncovered)
     return out, uncovered
 
 
@@ -294,16 +298,20 @@ def _argmax(logits: torch.Tensor, ops: Any) -> torch.Tensor:
     return ops.argmax_rows(logits.contiguous()) if ops is not None else logits.argmax(dim=-1)
 
 
-def _next_ids(logits: torch.Tensor, batch: SamplingBatch, candidates: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _next_ids(
+    logits: torch.Tensor, batch: SamplingBatch, candidates: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B] next token ids (argmax on greedy rows), and [B] bool of rows whose candidates may
     have been too few (None: none can be)."""
     num_rows = logits.shape[0]
     uncovered = None
     ops = _native_ops(logits)
-    if ops is not None and batch.num_sampled:  # every sampled row in one C++ call, never short of candidates
+    # every sampled row in one C++ call, never short of candidates
+    if ops is not None and batch.num_sampled:
         rows = batch.sampled_rows
-        drawn = ops.sample_rows(logits.contiguous(), _NO_ROWS if rows is None else rows, batch.temperatures,
-                                batch.top_ks, batch.top_ps, batch.min_ps, batch.seeds, batch.steps)
+        drawn = ops.sample_rows(logits.contiguous(), _NO_ROWS if rows is None else rows,
+                                batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps,
+                                batch.seeds, batch.steps)
         next_ids = drawn if rows is None else _argmax(logits, ops).index_copy(0, rows, drawn)
     elif batch.num_sampled == num_rows:
         next_ids, uncovered = _sample_rows(logits, batch, None, candidates)
@@ -314,8 +322,8 @@ def _next_ids(logits: torch.Tensor, batch: SamplingBatch, candidates: int) -> tu
             drawn, uncovered = _sample_rows(logits.index_select(0, rows), batch, rows, candidates)
             next_ids = next_ids.index_copy(0, rows, drawn)
             if uncovered is not None:
-                uncovered = torch.zeros(num_rows, dtype=torch.bool, device=logits.device).index_copy_(
-                    0, rows, uncovered)
+                uncovered = torch.zeros(num_rows, dtype=torch.bool,
+                                        device=logits.device).index_copy_(0, rows, uncovered)
     return next_ids, uncovered
 
 
@@ -380,7 +388,8 @@ def sample(
         logprobs = host[:, col].tolist()
         col += 1
     if top_k_max > 0:
-        values_l, ids_l = host[:, col : col + k].tolist(), host[:, col + k : col + 2 * k].astype(np.int64).tolist()
+        values_l, ids_l = (host[:, col : col + k].tolist(),
+                           host[:, col + k : col + 2 * k].astype(np.int64).tolist())
         top_logprobs = [
             list(zip(ids_l[i][: max(n, 0)], values_l[i][: max(n, 0)], strict=True))
             for i, n in enumerate(top_logprobs_num)

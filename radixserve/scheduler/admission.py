@@ -102,7 +102,9 @@ class PrefillAdder:
         n = self._chunk_len(req)
         if n is None or not self._fits(req, n, reserve_tokens(req, self.new_token_ratio)):
             return False
-        self._take(req, n, reserve_tokens(req, self.new_token_ratio) if n == req.remaining_extend else 0)
+        self._take(
+            req, n, reserve_tokens(req, self.new_token_ratio) if n == req.remaining_extend else 0
+        )
         return True
 
     def shares_uncached_prefix(self, req: Req) -> bool:

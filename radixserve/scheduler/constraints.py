@@ -112,7 +112,9 @@ class Constraints:
         return "ready"
 
     # ---- sampling ----------------------------------------------------------------------
-    def mask_logits(self, logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]] | None = None) -> None:
+    def mask_logits(
+        self, logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]] | None = None
+    ) -> None:
         """Mask ``logits`` (the sampling rows of ``reqs``) in place.  A request with ``drafts[i]``
         (k speculative tokens) owns ``k + 1`` consecutive rows; row ``j`` is masked as if
         ``drafts[i][:j]`` followed its output."""
@@ -206,7 +208,9 @@ class Constraints:
     def stats(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "jump_forward_tokens": self.jump_forward_tokens,
-            "grammar_mask_ms_per_step": 1000 * self.mask_seconds / self.mask_steps if self.mask_steps else 0.0,
+            "grammar_mask_ms_per_step": (
+                1000 * self.mask_seconds / self.mask_steps if self.mask_steps else 0.0
+            ),
         }
         if self._compiler is not None:
             times = list(self._compiler.compile_seconds.values())

@@ -145,7 +145,9 @@ class SchedulerControl:
             running=len(self.running) + (1 if self.chunked else 0),
             waiting=len(self.waiting),
             waiting_tokens=sum(r.prompt_len for r in self.waiting),
-            grammar_waiting=sum(r.grammar is None and r.grammar_future is not None for r in self.waiting),
+            grammar_waiting=sum(
+                r.grammar is None and r.grammar_future is not None for r in self.waiting
+            ),
             free_pages=self.allocator.num_free_pages,
             total_pages=self.allocator.num_pages,
             tree_tokens=self.tree.total_size(),

@@ -62,5 +62,7 @@ def reserve_decode_slots(
                 out_of_memory.append(req)
         active = [r for r in active if r not in out_of_memory]
     if not kv.ensure_slots_many(active, [r.remaining_extend for r in active]):
-        raise RuntimeError(f"no slots for the next tokens of {len(active)} requests after reservation")
+        raise RuntimeError(
+            f"no slots for the next tokens of {len(active)} requests after reservation"
+        )
     return retracted, out_of_memory

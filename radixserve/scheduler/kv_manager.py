@@ -52,7 +52,9 @@ class KVManager:
 
     def new_pages_needed(self, req: Req, n: int) -> int:
         """Pages to allocate so that the row covers ``[0, computed_len + n)``."""
-        return max(0, self.pages_for(req.kv.computed_len + n) - self.pages_for(req.kv.allocated_len))
+        return max(
+            0, self.pages_for(req.kv.computed_len + n) - self.pages_for(req.kv.allocated_len)
+        )
 
     def evict_pages(self, n_pages: int) -> None:
         if n_pages > 0:
@@ -96,13 +98,16 @@ class KVManager:
         if req.hit.tokens is None and (split or req.return_cache_report):
             position = len(result.slots) + result.host_len
             earlier = req.hit.divergence
-            inside = split or (earlier is not None and earlier.inside_run and earlier.position == position)
+            inside = split or (
+                earlier is not None and earlier.inside_run and earlier.position == position
+            )
             req.hit.divergence = divergence(deepest, position, req.tokens(0), inside)
         slots, node, promoted = result.slots, result.node, 0
         if result.host_nodes:
             assert self.tiers is not None
-            slots, node, promoted = self.tiers.promote_prefix(result.slots, result.node, result.host_nodes,
-                                                              page_budget)
+            slots, node, promoted = self.tiers.promote_prefix(
+                result.slots, result.node, result.host_nodes, page_budget
+            )
         n = len(slots)
         disk = min(req.kv.tiers.disk_tokens, n) if req.kv.tiers is not None else 0
         host = max(0, promoted - disk)
@@ -114,17 +119,20 @@ class KVManager:
         req.kv.computed_len = req.kv.cached_len = req.kv.allocated_len = n
         req.kv.last_node = node
         self.tree.inc_lock_ref(node)
-        if n and req.num_retractions == 0:  # a retracted request re-reading its own prefix is no hit
+        # a retracted request re-reading its own prefix is no hit
+        if n and req.num_retractions == 0:
             self.tree.record_hit(node)
         return True
 
     def ensure_slots(self, req: Req, n: int) -> bool:
-        """Back row ``[computed_len, computed_len + n)`` with slots, evicting tree leaves if needed."""
+        """Back row ``[computed_len, computed_len + n)`` with slots, evicting tree leaves if
+        needed."""
         return self.ensure_slots_many([req], [n])
 
     def ensure_slots_many(self, reqs: list[Req], ns: list[int]) -> bool:
-        """Back each request's row ``[computed_len, computed_len + n)`` with slots: one allocation and one
-        table write for all of them (a decode step's 64 requests cost one call, not 64).
+        """Back each request's row ``[computed_len, computed_len + n)`` with slots: one
+        allocation and one table write for all of them (a decode step's 64 requests cost one
+        call, not 64).
         False, with nothing allocated, when the pool cannot supply them even after eviction."""
         grow = [(req, pages) for req, n in zip(reqs, ns, strict=True)
                 if (pages := self.new_pages_needed(req, n))]
@@ -143,7 +151,11 @@ class KVManager:
         counts = np.empty(len(grow), dtype=np.int64)
         for i, (req, pages) in enumerate(grow):
             # Row [allocated_len, allocated_len + pages * page_size): the request's new pages.
-            rows[i], starts[i], counts[i] = req.kv.row, self.pages_for(req.kv.allocated_len) * ps, pages * ps
+            rows[i], starts[i], counts[i] = (
+                req.kv.row,
+                self.pages_for(req.kv.allocated_len) * ps,
+                pages * ps,
+            )
             req.kv.allocated_len = int(starts[i] + counts[i])
         self.req_pool.write_runs(rows, starts, counts, slots)
         return True
@@ -161,7 +173,8 @@ class KVManager:
 
     # ---- giving KV to the tree ---------------------------------------------------------
     def _insert(self, req: Req) -> int:
-        """Insert the computed tokens ``fill_ids[:computed_len]``; free our duplicates of tree pages.
+        """Insert the computed tokens ``fill_ids[:computed_len]``; free our duplicates of tree
+        pages.
 
         Returns the page-aligned length now held by the tree.  Row regions afterwards:
         ``[cached_len, present)`` were duplicates of tree pages: freed here;
@@ -174,7 +187,9 @@ class KVManager:
         if self.disk is not None:
             assert self.tiers is not None
             state = req.kv.tiers = req.kv.tiers or ReqTiers()
-            self.tiers.write_through(state, req.tokens(0, req.kv.computed_len), req.extra_key, row_slots)
+            self.tiers.write_through(
+                state, req.tokens(0, req.kv.computed_len), req.extra_key, row_slots
+            )
         present = self.tree.insert(req.tokens(0, req.kv.computed_len), row_slots, req.extra_key)
         if present > req.kv.cached_len:
             self.allocator.free_slots(row_slots[req.kv.cached_len : present])
@@ -255,13 +270,19 @@ class KVManager:
             if state is None or state.load is None or not state.load.future.done():
                 continue
             assert self.tiers is not None
-            held = self.tiers.land(state, req.tokens(0), req.extra_key, hold=req.kv.swap_hold is None)
+            held = self.tiers.land(
+                state, req.tokens(0), req.extra_key, hold=req.kv.swap_hold is None
+            )
             if held is not None:
                 req.kv.swap_hold = held
 
     # ---- checks ------------------------------------------------------------------------
     def owned_pages(self, reqs: list[Req]) -> int:
-        return sum((r.kv.allocated_len - r.kv.cached_len) // self.page_size for r in reqs if r.kv.row is not None)
+        return sum(
+            (r.kv.allocated_len - r.kv.cached_len) // self.page_size
+            for r in reqs
+            if r.kv.row is not None
+        )
 
     def check_invariant(self, reqs: list[Req], idle: bool) -> dict[str, int]:
         """free + tree + requests == all pages; no lock left when idle. Raises on violation."""
@@ -275,7 +296,8 @@ class KVManager:
             "tree_pages": tree_pages,
             "request_pages": req_pages,
             "total_pages": total,
-            "locked_tokens": self.tree.protected_size() - self.tree.pinned_size(),  # held by requests
+            # held by requests
+            "locked_tokens": self.tree.protected_size() - self.tree.pinned_size(),
             "pinned_tokens": self.tree.pinned_size(),
         }
         if free + tree_pages + req_pages != total:

@@ -64,8 +64,14 @@ class KVMemory:
     kv_events: KVEventPublisher | None
 
     @classmethod
-    def build(cls, args: ServerArgs, model: torch.nn.Module, model_config: Any, device: torch.device,
-              dtype: torch.dtype) -> KVMemory:
+    def build(
+        cls,
+        args: ServerArgs,
+        model: torch.nn.Module,
+        model_config: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> KVMemory:
         context_len = args.context_length or model_config.max_context_len
         # This rank's KV heads (all of them without tensor parallelism).  Ranks on one CPU share
         # its memory: the pool is sized for all of them.
@@ -91,11 +97,19 @@ class KVMemory:
         kv = KVManager(allocator, req_pool, tree, tiers, swap=args.preemption_mode == "swap")
         pins = Pins(tree, int(args.max_pinned_fraction * pool_tokens))
         publisher = KVEventPublisher(events) if events.enabled else None
-        return cls(pool_tokens, max_running, allocator, req_pool, tree, kv_pool, tiers, kv, pins, publisher)
+        return cls(
+            pool_tokens, max_running, allocator, req_pool, tree, kv_pool, tiers, kv, pins, publisher
+        )
 
 
-def _tiers(args: ServerArgs, kv_pool: KVPool, tree: RadixCache, pool_tokens: int, model: torch.nn.Module,
-           model_config: Any) -> TierManager | None:
+def _tiers(
+    args: ServerArgs,
+    kv_pool: KVPool,
+    tree: RadixCache,
+    pool_tokens: int,
+    model: torch.nn.Module,
+    model_config: Any,
+) -> TierManager | None:
     """The host and disk KV tiers the settings ask for (None: neither)."""
     host = args.host_cache_size
     if args.preemption_mode == "swap" and not host:
@@ -104,6 +118,8 @@ def _tiers(args: ServerArgs, kv_pool: KVPool, tree: RadixCache, pool_tokens: int
         return None
     identity = {"model": args.model or "default", "config": repr(model_config),
                 "weights": weights_fingerprint(model), "quantization": args.quantization}
-    tiers = TierManager(kv_pool, args.page_size, host, args.disk_cache_dir, args.disk_cache_size, identity)
+    tiers = TierManager(
+        kv_pool, args.page_size, host, args.disk_cache_dir, args.disk_cache_size, identity
+    )
     tiers.attach(tree)
     return tiers

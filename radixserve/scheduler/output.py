@@ -19,7 +19,9 @@ def rows_to_send(finished: list[Req], running: list[Req], stream_now: bool) -> l
     """The finished requests, and with ``stream_now`` the streaming ones with unsent tokens."""
     rows = list(finished)
     if stream_now:
-        rows += [r for r in running if r.stream and r.output_len > r.out.sent_len and not r.finished]
+        rows += [
+            r for r in running if r.stream and r.output_len > r.out.sent_len and not r.finished
+        ]
     return rows
 
 

@@ -50,35 +50,51 @@ class Pins:
         result = self.tree.match_prefix(ids, namespace)
         tokens = len(result.slots)
         if tokens == 0:
-            return PinResult(error="nothing of this prompt is cached (shorter than a page, or the cache is off)")
+            return PinResult(
+                error="nothing of this prompt is cached (shorter than a page, or the cache is off)"
+            )
         extra, node = 0, result.node
         while node.parent is not None:  # tokens of the path no pin holds yet
             extra += len(node.value) if node.pin_ref == 0 else 0
             node = node.parent
         if self.tree.pinned_size() + extra > self.cap_tokens:
-            return PinResult(error=f"pinning {extra} more tokens would exceed the pinned-prefix cap of "
-                                   f"{self.cap_tokens} tokens (--max-pinned-fraction); "
-                                   f"{self.tree.pinned_size()} are pinned now")
+            return PinResult(
+                error=f"pinning {extra} more tokens would exceed the pinned-prefix cap of "
+                f"{self.cap_tokens} tokens (--max-pinned-fraction); "
+                f"{self.tree.pinned_size()} are pinned now"
+            )
         self.tree.pin(result.node)
-        pin = Pin(f"pin-{next(self._ids)}", result.node, np.asarray(ids, dtype=np.int64).tobytes(), namespace,
-                  tokens, None if ttl is None else time.monotonic() + ttl)
+        pin = Pin(
+            f"pin-{next(self._ids)}",
+            result.node,
+            np.asarray(ids, dtype=np.int64).tobytes(),
+            namespace,
+            tokens,
+            None if ttl is None else time.monotonic() + ttl,
+        )
         self._pins[pin.pin_id] = pin
         return PinResult(**pin.describe(time.monotonic()))
 
-    def unpin(self, pin_id: str | None = None, ids: list[int] | None = None, namespace: str = "") -> list[str]:
+    def unpin(
+        self, pin_id: str | None = None, ids: list[int] | None = None, namespace: str = ""
+    ) -> list[str]:
         """Drop the pin ``pin_id``, or every pin of exactly ``ids`` in ``namespace``; their ids."""
         if pin_id is not None:
             gone = [pin_id] if pin_id in self._pins else []
         else:
             key = np.asarray(ids or [], dtype=np.int64).tobytes()
-            gone = [p.pin_id for p in self._pins.values() if p.key == key and p.namespace == namespace]
+            gone = [
+                p.pin_id for p in self._pins.values() if p.key == key and p.namespace == namespace
+            ]
         for name in gone:
             self.tree.unpin(self._pins.pop(name).node)
         return gone
 
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        for pin in [p for p in self._pins.values() if p.expires_at is not None and p.expires_at <= now]:
+        for pin in [
+            p for p in self._pins.values() if p.expires_at is not None and p.expires_at <= now
+        ]:
             self.unpin(pin.pin_id)
 
     def listing(self) -> list[dict[str, Any]]:

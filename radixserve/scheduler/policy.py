@@ -33,8 +33,14 @@ CACHE_AWARE = ("lpm", "dfs-weight")
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, max_queue: int, seed: int = 0, low_priority_values_first: bool = False,
-                 preemption: bool = False) -> None:
+    def __init__(
+        self,
+        policy: str,
+        max_queue: int,
+        seed: int = 0,
+        low_priority_values_first: bool = False,
+        preemption: bool = False,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
@@ -83,7 +89,10 @@ class SchedulePolicy:
         if not lower:
             return []
         cached = len(kv.match(top)[0])
-        need = kv.pages_for(top.fill_len - cached) + kv.pages_for(reserve_tokens(top, new_token_ratio))
+        need = (
+            kv.pages_for(top.fill_len - cached)
+            + kv.pages_for(reserve_tokens(top, new_token_ratio))
+        )
         rows_short = len(running) + 1 - max_running
         pages_short = need - kv.available_pages()
         victims: list[Req] = []

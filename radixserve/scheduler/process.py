@@ -141,7 +141,8 @@ def serve(sched: Any, recv: zmq.Socket, send: zmq.Socket) -> None:
         except TensorParallelError as e:
             logger.error("%s; the scheduler stops", e)
             sys.exit(1)
-        if sched.nothing_to_run:  # wait for a grammar or a transfer without spinning (or for new input)
+        # wait for a grammar or a transfer without spinning (or for new input)
+        if sched.nothing_to_run:
             recv.poll(2)
         if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
             try:

@@ -67,7 +67,9 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         prof.stop()
         end = self._counters()
-        steps, step_s, decode_steps, decode_rows = (b - a for a, b in zip(self._start, end, strict=True))
+        steps, step_s, decode_steps, decode_rows = (
+            b - a for a, b in zip(self._start, end, strict=True)
+        )
         events = prof.events()
         scopes = scope_seconds(events)
         return {

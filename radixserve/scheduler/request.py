@@ -124,7 +124,8 @@ class Req:
         self.kv = KVRow()
         self.hit = CacheHit()
         self.return_cache_report = False
-        self.bootstrap: Bootstrap | None = None  # its KV comes from / goes to another worker (disagg)
+        # its KV comes from / goes to another worker (disagg)
+        self.bootstrap: Bootstrap | None = None
         self.admit_seq = 0  # order of admission, for retraction (latest first)
         self.out = Unsent()
         self.num_retractions = 0
@@ -222,7 +223,8 @@ class PromptLogprobs:
         """State for a request, or None when it wants no prompt logprobs.
 
         ``logprob_start_len`` -1 means none; ``prompt_len`` an empty list (nothing owed); a
-        value outside ``[-1, prompt_len]`` raises ValueError.  Without ``return_logprob`` no logprob is returned at all (SGLang's rule).
+        value outside ``[-1, prompt_len]`` raises ValueError.  Without ``return_logprob`` no
+        logprob is returned at all (SGLang's rule).
         """
         check_logprob_start_len(logprob_start_len, prompt_len)
         if not return_logprob or logprob_start_len < 0:

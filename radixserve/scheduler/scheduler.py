@@ -1,6 +1,7 @@
 """The scheduler: request queue, admission, decode bookkeeping and the step loop (no I/O).
 Beside it: its KV memory (``memory.py``), what a step sends (``output.py``), sampled tokens
-taken into outputs (``taker.py``), the control commands (``control.py``)."""
+taken into outputs (``taker.py``), the control commands (``control.py``), requests in and
+aborted (``intake.py``)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,21 @@ import torch
 
 from radixserve.config import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
-from radixserve.ipc.messages import ErrorOut, FinishReason, GenerateReq, TokenOut
+from radixserve.ipc.messages import ErrorOut, FinishReason, TokenOut
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
 from radixserve.scheduler.constraints import Constraints
 from radixserve.scheduler.control import SchedulerControl
 from radixserve.scheduler.decode import reserve_decode_slots, retract
+from radixserve.scheduler.intake import RequestIntake
 from radixserve.scheduler.memory import KVMemory
 from radixserve.scheduler.output import rows_to_send, token_out
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.profiling import StepProfiler
-from radixserve.scheduler.request import PromptLogprobs, Req, ReqState, num_drafts
+from radixserve.scheduler.request import Req, ReqState, num_drafts
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker
 from radixserve.scheduler.taker import TokenTaker
 from radixserve.speculative import Proposer, server_proposer
-from radixserve.validation import check_input_ids
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 NEAR_MISS_RING = 64  # recent near-misses kept for /cache/misses
 
 
-class Scheduler(SchedulerControl):
-    def __init__(self, args: ServerArgs, model: torch.nn.Module, model_config: Any, tokenizer: Any | None) -> None:
+class Scheduler(SchedulerControl, RequestIntake):
+    def __init__(
+        self, args: ServerArgs, model: torch.nn.Module, model_config: Any, tokenizer: Any | None
+    ) -> None:
         self.args = args
         self.model_config = model_config
         self.device = torch.device(args.device)
@@ -53,19 +56,29 @@ class Scheduler(SchedulerControl):
         self.allocator, self.req_pool, self.tree = mem.allocator, mem.req_pool, mem.tree
         self.tiers, self.kv, self.pins, self.kv_events = mem.tiers, mem.kv, mem.pins, mem.kv_events
         kv_pool = mem.kv_pool
-        self.policy = SchedulePolicy(args.schedule_policy, args.schedule_policy_max_queue, seed=args.random_seed,
-                                     low_priority_values_first=args.schedule_low_priority_values_first,
-                                     preemption=args.priority_preemption)
+        self.policy = SchedulePolicy(
+            args.schedule_policy,
+            args.schedule_policy_max_queue,
+            seed=args.random_seed,
+            low_priority_values_first=args.schedule_low_priority_values_first,
+            preemption=args.priority_preemption,
+        )
         self.runner = ModelRunner(
             model, self.vocab_size, kv_pool, self.req_pool, args.attention_backend, self.device
         )
         if args.cuda_graph_max_bs and self.device.type == "cuda" and args.tp_size == 1:
             if self.runner.backend.supports_cuda_graphs:
-                self.runner.use_decode_graphs(min(args.cuda_graph_max_bs, self.max_running), self.context_len)
+                self.runner.use_decode_graphs(
+                    min(args.cuda_graph_max_bs, self.max_running), self.context_len
+                )
             else:
-                logger.info("the %s attention backend has no CUDA-graph decode: decode runs eagerly",
-                            args.attention_backend)
-        self.stop_checker = StopChecker(set(model_config.eos_token_ids), self.context_len, tokenizer)
+                logger.info(
+                    "the %s attention backend has no CUDA-graph decode: decode runs eagerly",
+                    args.attention_backend,
+                )
+        self.stop_checker = StopChecker(
+            set(model_config.eos_token_ids), self.context_len, tokenizer
+        )
         self.constraints = Constraints(
             args.grammar_backend, tokenizer, self.vocab_size, list(model_config.eos_token_ids),
             jump_forward=not args.disable_jump_forward,
@@ -80,12 +93,15 @@ class Scheduler(SchedulerControl):
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
         self.profiler = StepProfiler(self.stats)
-        self.taker = TokenTaker(self.stop_checker, self.constraints, self.spec, self.kv, self.stats, self.context_len)
+        self.taker = TokenTaker(
+            self.stop_checker, self.constraints, self.spec, self.kv, self.stats, self.context_len
+        )
         self._admit_counter = 0
         self._step_counter = 0
         self._errors: list[ErrorOut] = []
         self.near_misses: deque[dict[str, Any]] = deque(maxlen=NEAR_MISS_RING)
-        self._ended: list[Req] = []  # ended between steps (aborted, KV handed on): the next step reports them
+        # ended between steps (aborted, KV handed on): the next step reports them
+        self._ended: list[Req] = []
         self._last_forward_s = 0.0
 
     def attach_tokenizer(self, decoder: Any, tokenizer: Any) -> None:
@@ -95,61 +111,6 @@ class Scheduler(SchedulerControl):
         self.constraints.attach_tokenizer(tokenizer)
 
     # ---- requests in -------------------------------------------------------------------
-    def add_request(self, msg: GenerateReq) -> ErrorOut | None:
-        """Queue a request; a request that fails validation is answered with an ErrorOut."""
-        try:
-            if msg.rid in self.reqs:
-                raise ValueError(f"request id {msg.rid!r} is already in use")
-            ids = check_input_ids(msg.input_ids, self.vocab_size, self.context_len, self.pool_tokens)
-            params = msg.sampling_params  # checked as it was decoded
-            params.validate_for_model(self.vocab_size)
-            prompt_lp = PromptLogprobs.for_request(
-                msg.return_logprob, msg.logprob_start_len, len(ids), msg.top_logprobs_num
-            )
-        except ValueError as e:
-            return ErrorOut(rid=msg.rid, message=str(e), status=400)
-        limit = self.args.max_queued_requests
-        # Requests that arrived this step wait until the next admission even when a running
-        # place is free for them: only those beyond the free places count as queued.
-        free_places = self.max_running - len(self.running) - (1 if self.chunked else 0)
-        if limit is not None and len(self.waiting) - max(free_places, 0) >= limit:
-            return ErrorOut(
-                rid=msg.rid,
-                message=f"the request queue is full ({limit} waiting); retry later",
-                status=503,
-            )
-        req = Req(msg.rid, ids, params, msg.seed, msg.return_logprob, msg.top_logprobs_num, msg.stream,
-                  extra_key=msg.extra_key, priority=msg.priority)
-        req.pin, req.pin_ttl = msg.pin, msg.pin_ttl
-        req.return_cache_report = msg.return_cache_report
-        req.prompt_logprobs = prompt_lp
-        try:
-            self.constraints.on_arrival(req)
-        except ValueError as e:
-            return ErrorOut(rid=msg.rid, message=str(e), status=400)
-        self.reqs[req.rid] = req
-        self.waiting.append(req)
-        self.stats.requests_received += 1
-        return None
-
-    def abort(self, rid: str) -> None:
-        """Drop a request wherever it is; its partial KV never enters the tree."""
-        req = self.reqs.get(rid)
-        if req is None or req.finished:
-            return
-        if req.state == ReqState.WAITING:
-            self.waiting.remove(req)
-            self.kv.forget_waiting(req)
-        elif req is self.chunked:
-            self.chunked = None
-        elif req in self.running:
-            self.running.remove(req)
-        self.kv.release(req, cache=False)
-        req.finish_reason = FinishReason("abort")
-        req.state = ReqState.FINISHED
-        self.stats.requests_aborted += 1
-        self._ended.append(req)
-
     def drop(self, rid: str) -> None:
         """Forget a request without an output row (its error is answered by the caller),
         freeing its pages; used after an internal error, when its state may be broken."""
@@ -176,32 +137,6 @@ class Scheduler(SchedulerControl):
             and all(self.kv.loading(r) or (r.grammar is None and r.grammar_future is not None)
                     for r in self.waiting)
         )
-
-    def take_errors(self) -> list[ErrorOut]:
-        """Requests answered with an error since the last call (a grammar that failed)."""
-        errors, self._errors = self._errors, []
-        return errors
-
-    def _admissible(self) -> list[Req]:
-        """Waiting requests whose grammar (if any) is compiled; a failed one is answered."""
-        ready = []
-        failed = []
-        for req in self.waiting:
-            if self.kv.loading(req):  # its prefix is coming from disk
-                continue
-            state = self.constraints.poll(req)
-            if state == "ready":
-                ready.append(req)
-            elif state != "compiling":
-                failed.append(req)
-                self._errors.append(ErrorOut(rid=req.rid, message=state, status=400))
-        for req in failed:
-            self.waiting.remove(req)
-            self.kv.forget_waiting(req)
-            req.finish_reason = FinishReason("abort")
-            req.state = ReqState.FINISHED
-            self.reqs.pop(req.rid, None)
-        return ready
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> TokenOut | None:
@@ -243,7 +178,11 @@ class Scheduler(SchedulerControl):
             plan = self._plan_prefill(0)
             if plan:
                 decodes = []
-        drafted = self.spec.propose(decodes, self.kv, self.context_len) if self.spec is not None and decodes else 0
+        drafted = (
+            self.spec.propose(decodes, self.kv, self.context_len)
+            if self.spec is not None and decodes
+            else 0
+        )
         if plan is None:
             plan = self._plan_prefill(len(decodes) + drafted)
         # A decode computes its sampled token, plus the text a grammar forced after it, plus
@@ -257,7 +196,9 @@ class Scheduler(SchedulerControl):
                     MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
                 )
         self.stats.evicted_tokens = self.kv.evicted_tokens
-        rows = rows_to_send(finished, self.running, self._step_counter % self.args.stream_interval == 0)
+        rows = rows_to_send(
+            finished, self.running, self._step_counter % self.args.stream_interval == 0
+        )
         out = token_out(rows) if rows else None
         for req in finished:
             self.reqs.pop(req.rid, None)
@@ -318,13 +259,19 @@ class Scheduler(SchedulerControl):
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return adder.plan.entries
 
-    def _run_forward(self, entries: list[tuple[Req, int]], has_prefill: bool, finished: list[Req]) -> None:
+    def _run_forward(
+        self, entries: list[tuple[Req, int]], has_prefill: bool, finished: list[Req]
+    ) -> None:
         t0 = time.perf_counter()
         # Rows that sample: decodes, and prefills whose whole prompt is computed by this forward,
         # except prefill-only requests (max_new_tokens 0), which finish here with nothing
         # sampled: their prompt goes to the tree when they are released, like any finished
         # request's.  A decode with k drafts samples k + 1 rows (speculative/).
-        done = [i for i, (r, n) in enumerate(entries) if r.kv.computed_len + n == r.fill_len + num_drafts(r)]
+        done = [
+            i
+            for i, (r, n) in enumerate(entries)
+            if r.kv.computed_len + n == r.fill_len + num_drafts(r)
+        ]
         sample_idx = [i for i in done if entries[i][0].params.max_new_tokens > 0]
         drafts = {i: k for i in sample_idx if (k := num_drafts(entries[i][0]))}
         sample_logits = self.runner.forward(entries, sample_idx, drafts)
@@ -334,7 +281,9 @@ class Scheduler(SchedulerControl):
             if entries[i][0].params.max_new_tokens == 0:
                 entries[i][0].finish_reason = FinishReason("length", length=0)
         sample_reqs = [entries[i][0] for i in sample_idx]
-        draft_lists = [r.spec.draft if r.spec is not None else [] for r in sample_reqs] if drafts else None
+        draft_lists = (
+            [r.spec.draft if r.spec is not None else [] for r in sample_reqs] if drafts else None
+        )
         out = None
         if sample_reqs:
             # Masked in place: the forward's rows of the sampling requests (nothing else reads
@@ -390,7 +339,9 @@ class Scheduler(SchedulerControl):
     def _finish(self, req: Req, finished: list[Req]) -> None:
         self.kv.release(req, cache=True)
         if req.pin:  # its prompt is in the tree now, and nothing ran in between
-            req.pin_result = self.pins.pin(req.tokens(0, req.prompt_len), req.extra_key, req.pin_ttl)
+            req.pin_result = self.pins.pin(
+                req.tokens(0, req.prompt_len), req.extra_key, req.pin_ttl
+            )
         req.state = ReqState.FINISHED
         self.stats.requests_finished += 1
         finished.append(req)

@@ -14,7 +14,8 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens served from the tree at first admission
     prefill_tokens_computed: int = 0  # extend tokens computed, recomputation included
     decode_tokens: int = 0
-    lm_head_rows: int = 0  # rows through the LM head: one per batch entry per forward (prompt-logprob rows not counted)
+    # rows through the LM head: one per batch entry per forward (prompt-logprob rows not counted)
+    lm_head_rows: int = 0
     generation_tokens: int = 0  # sampled tokens, first tokens included
     forward_steps: int = 0
     decode_steps: int = 0  # forwards that carried at least one decode row
@@ -31,7 +32,9 @@ class SchedulerStats:
     decode_only_seconds: float = 0.0  # whole decode-only steps: decode speed without prefill
     decode_only_tokens: int = 0  # tokens those steps decoded
 
-    def record_step(self, batch_size: int, decode_only: bool, step_s: float, forward_s: float, tokens: int) -> None:
+    def record_step(
+        self, batch_size: int, decode_only: bool, step_s: float, forward_s: float, tokens: int
+    ) -> None:
         """One forward of ``batch_size`` entries that generated ``tokens`` (more than one per
         entry with speculative drafts accepted)."""
         self.forward_steps += 1
@@ -54,6 +57,7 @@ class SchedulerStats:
             else 0.0
         )
         d["overhead_ms_by_batch"] = {
-            k: 1000 * v[1] / v[0] for k, v in sorted(self.overhead_by_batch.items(), key=lambda kv: int(kv[0]))
+            k: 1000 * v[1] / v[0]
+            for k, v in sorted(self.overhead_by_batch.items(), key=lambda kv: int(kv[0]))
         }
         return d

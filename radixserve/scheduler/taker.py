@@ -35,7 +35,9 @@ class TokenTaker:
         """Append what the rows ``[row, row + k + 1)`` sampled for ``req``: without drafts its
         one token; with k drafts the accepted ones and the token after them, up to a stop."""
         tokens = out.next_token_ids[row : row + k + 1]
-        accepted = self.spec.accept(req, tokens) if self.spec is not None and req.spec is not None else 0
+        accepted = (
+            self.spec.accept(req, tokens) if self.spec is not None and req.spec is not None else 0
+        )
         new = tokens[: accepted + 1] if k else tokens
         taken = 0
         for j, token in enumerate(new):

@@ -30,7 +30,8 @@ from radixserve.validation import is_text
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for schema and function names
 
-# Accepted, type-checked, ignored: field -> why ignoring it is harmless (listed on the docs' HTTP API page).
+# Accepted, type-checked, ignored: field -> why ignoring it is harmless (listed on the docs'
+# HTTP API page).
 IGNORED_FIELDS: dict[str, str] = {
     "store": "nothing is stored for later retrieval",
     "metadata": "only meaningful for stored completions",
@@ -67,7 +68,8 @@ UNSUPPORTED: dict[str, str] = {
 
 
 Port = Annotated[StrictInt, Field(ge=1, le=65535)]  # a TCP port (SGLang's bootstrap_port)
-Room = Annotated[StrictInt, Field(ge=0, lt=2**64)]  # SGLang's bootstrap_room: an unsigned 64-bit number
+# SGLang's bootstrap_room: an unsigned 64-bit number
+Room = Annotated[StrictInt, Field(ge=0, lt=2**64)]
 
 
 def reject(param: str, message: str) -> PydanticCustomError:
@@ -83,7 +85,9 @@ def refuse_meaning(where: str, meaning: str, param: str | None = None) -> Pydant
                   f"'{where}' asks for {meaning}, which radixserve does not support")
 
 
-def unsupported(where: str, key: str | None = None, param: str | None = None) -> PydanticCustomError:
+def unsupported(
+    where: str, key: str | None = None, param: str | None = None
+) -> PydanticCustomError:
     """Refuse the field at ``where`` for asking for ``UNSUPPORTED[key or where]``."""
     return refuse_meaning(where, UNSUPPORTED[key or where], param)
 

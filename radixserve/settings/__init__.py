@@ -1,2 +1,3 @@
 """Settings whose values need more than a type check: their parsed forms and checks.
-``ServerArgs`` (``radixserve/config.py``) is built on them; they import nothing of the package."""
+``ServerArgs`` (``radixserve/config.py``) is built on them, and ``checks.py`` holds its checks;
+they import nothing of the package outside ``settings/``."""

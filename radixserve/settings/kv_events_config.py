@@ -18,7 +18,8 @@ from typing import Any
 @dataclass(frozen=True)
 class KVEventsConfig:
     publisher: str = "null"  # null (off) or zmq
-    endpoint: str = "tcp://*:5557"  # PUB: bound when it is a wildcard, ipc or inproc, else connected
+    # PUB: bound when it is a wildcard, ipc or inproc, else connected
+    endpoint: str = "tcp://*:5557"
     bind: bool | None = None  # force bind (true) or connect (false)
     replay_endpoint: str | None = None  # ROUTER for replay requests (always bound)
     buffer_steps: int = 10_000  # batches kept for replay
@@ -45,21 +46,38 @@ class KVEventsConfig:
         unknown = sorted(set(raw) - set(known))
         if unknown:
             raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
-        kinds = {"publisher": str, "endpoint": str, "bind": (bool, type(None)), "replay_endpoint": (str, type(None)),
-                 "buffer_steps": int, "hwm": int, "max_queue_size": int, "topic": str, "format": str}
+        kinds = {
+            "publisher": str,
+            "endpoint": str,
+            "bind": (bool, type(None)),
+            "replay_endpoint": (str, type(None)),
+            "buffer_steps": int,
+            "hwm": int,
+            "max_queue_size": int,
+            "topic": str,
+            "format": str,
+        }
         for key, value in raw.items():
-            if not isinstance(value, kinds[key]) or (kinds[key] is int and (isinstance(value, bool) or value < 1)):
-                raise ValueError(f"kv_events_config: {key!r} has the wrong type or value: {value!r}")
+            if not isinstance(value, kinds[key]) or (
+                kinds[key] is int and (isinstance(value, bool) or value < 1)
+            ):
+                raise ValueError(
+                    f"kv_events_config: {key!r} has the wrong type or value: {value!r}"
+                )
         config = cls(**raw)
         if config.publisher not in ("null", "zmq"):
-            raise ValueError(f"kv_events_config: publisher must be zmq or null, got {config.publisher!r}")
+            raise ValueError(
+                f"kv_events_config: publisher must be zmq or null, got {config.publisher!r}"
+            )
         if config.format != "default":
             raise ValueError(f"kv_events_config: format must be default, got {config.format!r}")
         for key in ("endpoint", "replay_endpoint"):
             value = getattr(config, key)
             if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"kv_events_config: {key} must be a tcp://, ipc:// or inproc:// address, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"kv_events_config: {key} must be a tcp://, ipc:// or inproc:// address, "
+                    f"got {value!r}"
+                )
         return config
 
     @property
@@ -73,8 +91,14 @@ class KVEventsConfig:
         pub = _tcp_host_port(self.endpoint)
         if not self.enabled or pub is None:
             return None
-        out: dict[str, Any] = {"publisher": "zmq", "endpoint_host": pub[0], "endpoint_port_base": pub[1],
-                               "topic": self.topic, "block_size": block_size, "dp_size": 1}
+        out: dict[str, Any] = {
+            "publisher": "zmq",
+            "endpoint_host": pub[0],
+            "endpoint_port_base": pub[1],
+            "topic": self.topic,
+            "block_size": block_size,
+            "dp_size": 1,
+        }
         replay = _tcp_host_port(self.replay_endpoint)
         if replay is not None:
             out["replay_endpoint_port_base"] = replay[1]

@@ -63,15 +63,17 @@ class TierManager:
         if host_tokens > 0:
             pages = max(1, host_tokens // page_size)
             self.host_alloc = PageAllocator(pages, page_size)
-            self.host_pool = KVPool(self.host_alloc.num_slots, device_pool.num_layers, device_pool.num_kv_heads,
-                                    device_pool.head_dim, device_pool.dtype, "cpu",
+            self.host_pool = KVPool(self.host_alloc.num_slots, device_pool.num_layers,
+                                    device_pool.num_kv_heads, device_pool.head_dim,
+                                    device_pool.dtype, "cpu",
                                     pin_memory=device_pool.device.type == "cuda",
                                     kv_cache_dtype=device_pool.kv_cache_dtype)
         self.block_tokens = -(-DISK_BLOCK_MIN_TOKENS // page_size) * page_size
         self.disk: DiskStore | None = None
         if disk_dir:
             full = dict(identity, block_tokens=self.block_tokens, kv_dtype=str(device_pool.dtype),
-                        kv_layout=[device_pool.num_layers, device_pool.num_kv_heads, device_pool.head_dim])
+                        kv_layout=[device_pool.num_layers, device_pool.num_kv_heads,
+                                   device_pool.head_dim])
             if device_pool.quantized:  # (the identity of a pool in the model's dtype is unchanged)
                 full["kv_cache_dtype"] = device_pool.kv_cache_dtype
             self.seed = identity_hash(full)
@@ -132,11 +134,13 @@ class TierManager:
         """Copy the leading ``host_nodes`` of a match that fit to the device, top down, within
         ``page_budget`` device pages (None: as many as obtainable); return the prefix's device
         slots, its deepest device node and the tokens promoted."""
-        assert self.tree is not None and self.device_alloc is not None and self.evict_device_pages is not None
+        assert (self.tree is not None and self.device_alloc is not None
+                and self.evict_device_pages is not None)
         obtainable = self.device_alloc.num_free_pages + self.tree.evictable_size() // self.page_size
         reserve = 0 if page_budget is None else max(0, obtainable - page_budget)
         self.tree.inc_lock_ref(host_nodes[-1])  # the path stays put while pages are evicted for it
-        budget = self.device_alloc.num_free_pages + self.tree.evictable_size() // self.page_size - reserve
+        budget = (self.device_alloc.num_free_pages + self.tree.evictable_size() // self.page_size
+                  - reserve)
         take, pages = [], 0
         for host_node in host_nodes:
             need = len(host_node.value) // self.page_size
@@ -190,7 +194,8 @@ class TierManager:
                                        len(state.names), prev)
         return state.names[:want]
 
-    def write_through(self, state: ReqTiers, tokens: np.ndarray, namespace: str, row_slots: np.ndarray) -> None:
+    def write_through(self, state: ReqTiers, tokens: np.ndarray, namespace: str,
+                      row_slots: np.ndarray) -> None:
         """Store the full blocks of ``tokens`` (a request's computed ids from position 0,
         their KV in ``row_slots``: tree slots and the request's own) that the disk lacks; with
         KV events on, announce the blocks of the prompt the disk holds and has not announced
@@ -218,8 +223,8 @@ class TierManager:
                 ready = torch.cuda.Event()
                 ready.record()
                 kv = host
-            self.disk.write([names[i] for i in new], [kv[:, :, j * bt : (j + 1) * bt] for j in range(len(new))],
-                            ready)
+            self.disk.write([names[i] for i in new],
+                            [kv[:, :, j * bt : (j + 1) * bt] for j in range(len(new))], ready)
 
     def _announce(self, names: list[bytes], tokens: np.ndarray, namespace: str) -> None:
         """KV events for the disk blocks of a prompt (``names``) not announced yet."""
@@ -231,8 +236,8 @@ class TierManager:
         hashes = events.page_hashes(tokens[: len(names) * bt], namespace)
         for i in todo:
             block = hashes[i * per : (i + 1) * per]
-            events.stored_pages(block, hashes[i * per - 1] if i else None, tokens[i * bt : (i + 1) * bt].tolist(),
-                                DISK, namespace)
+            events.stored_pages(block, hashes[i * per - 1] if i else None,
+                                tokens[i * bt : (i + 1) * bt].tolist(), DISK, namespace)
             self.disk.announced(names[i], block)
 
     def prefetch(self, state: ReqTiers, tokens: np.ndarray, namespace: str) -> None:
@@ -263,7 +268,8 @@ class TierManager:
     def loading(state: ReqTiers | None) -> bool:
         return state is not None and state.load is not None
 
-    def land(self, state: ReqTiers, tokens: np.ndarray, namespace: str, hold: bool) -> TreeNode | None:
+    def land(self, state: ReqTiers, tokens: np.ndarray, namespace: str,
+             hold: bool) -> TreeNode | None:
         """A finished load of ``state``'s: its blocks into the tree (host nodes, or device
         nodes without a host tier).  With ``hold``, return the deepest host node of the
         request's prefix (``tokens``: its ids) locked, held for it until it is admitted as
@@ -284,16 +290,19 @@ class TierManager:
             state.disk_tokens = max(0, end - load.matched)
             if self.tree.events.enabled:  # blocks from an earlier run are known by their tokens now
                 self._announce(self.block_names(state, tokens[:end], namespace), tokens, namespace)
-            found = self.tree.match_prefix(tokens[:end], namespace) if self.host_pool is not None else None
+            found = (self.tree.match_prefix(tokens[:end], namespace)
+                     if self.host_pool is not None else None)
             if hold and found is not None and found.host_nodes:
                 held = found.host_nodes[-1]
                 self.tree.inc_lock_ref(held)
         self.tree.dec_lock_ref(load.node)
         return held
 
-    def _insert_blocks(self, tokens: np.ndarray, namespace: str, load: DiskLoad, blocks: list[torch.Tensor]) -> int:
+    def _insert_blocks(self, tokens: np.ndarray, namespace: str, load: DiskLoad,
+                       blocks: list[torch.Tensor]) -> int:
         """Insert loaded blocks after ``load.node``; return the end of the cached prefix."""
-        assert self.tree is not None and self.device_alloc is not None and self.evict_device_pages is not None
+        assert (self.tree is not None and self.device_alloc is not None
+                and self.evict_device_pages is not None)
         bt, ps = self.block_tokens, self.page_size
         begin, end = load.start * bt, (load.start + len(blocks)) * bt
         pages = (end - begin) // ps
@@ -348,7 +357,8 @@ class TierManager:
         if self.disk is not None:
             d.update(disk_blocks=len(self.disk), disk_block_tokens=self.block_tokens,
                      disk_written_blocks=self.disk.written_blocks, disk_loads=s.disk_loads,
-                     disk_loaded_tokens=s.disk_loaded_tokens, disk_corrupt_blocks=self.disk.corrupt_blocks)
+                     disk_loaded_tokens=s.disk_loaded_tokens,
+                     disk_corrupt_blocks=self.disk.corrupt_blocks)
         return d
 
     def check(self) -> dict[str, int]:
@@ -358,9 +368,11 @@ class TierManager:
         held = self.tree.host_size() // self.page_size
         free = self.host_alloc.num_free_pages
         if held + free != self.host_alloc.num_pages:
-            raise RuntimeError(f"host page leak: free {free} + tree {held} != {self.host_alloc.num_pages}")
+            raise RuntimeError(
+                f"host page leak: free {free} + tree {held} != {self.host_alloc.num_pages}")
         used = set(self.host_alloc.used_pages().tolist())
-        tree_pages = set((self.tree.all_slots("host")[:: self.page_size] // self.page_size).tolist())
+        tree_pages = set(
+            (self.tree.all_slots("host")[:: self.page_size] // self.page_size).tolist())
         if used != tree_pages:
             raise RuntimeError("host pages in use differ from the host pages the tree holds")
         return {"host_free_pages": free, "host_tree_pages": held}

@@ -73,7 +73,8 @@ class DiskStore:
                  identity: dict[str, Any], block_shape: tuple[int, ...]) -> None:
         self.block_tokens = block_tokens
         self.identity = identity_hash(identity)
-        self.block_shape = block_shape  # [2, layers, block_tokens, slot bytes] uint8 (KVPool.gather)
+        # [2, layers, block_tokens, slot bytes] uint8 (KVPool.gather)
+        self.block_shape = block_shape
         self.payload_bytes = int(np.prod(block_shape))
         self.capacity_blocks = max(1, capacity_tokens // block_tokens)
         self.dir = Path(root) / self.identity.hex()
@@ -81,8 +82,13 @@ class DiskStore:
         (self.dir / "identity.json").write_text(json.dumps(identity, sort_keys=True, indent=1))
         others = [p.name for p in Path(root).iterdir() if p.is_dir() and p.name != self.dir.name]
         if others:
-            logger.info("disk KV cache: %d folder(s) in %s belong to another model, dtype or layout; "
-                        "they are ignored: %s", len(others), root, ", ".join(sorted(others)[:4]))
+            logger.info(
+                "disk KV cache: %d folder(s) in %s belong to another model, dtype or layout; "
+                "they are ignored: %s",
+                len(others),
+                root,
+                ", ".join(sorted(others)[:4]),
+            )
         # LRU first; each block's page hashes once announced in KV events (None: not yet, e.g. a
         # block from an earlier run, whose tokens nobody has hashed since).
         self._index: OrderedDict[bytes, list[int] | None] = OrderedDict()
@@ -132,7 +138,9 @@ class DiskStore:
             n += 1
         return n
 
-    def write(self, names: Sequence[bytes], blocks: Sequence[torch.Tensor], ready: Any = None) -> None:
+    def write(
+        self, names: Sequence[bytes], blocks: Sequence[torch.Tensor], ready: Any = None
+    ) -> None:
         """Store blocks (CPU tensors of ``block_shape``) in the background; ``ready``: a CUDA
         event the blocks' copy off the GPU completes (waited for on the I/O thread).  The
         caller touches the prefix's names (:meth:`touch`)."""
@@ -210,7 +218,9 @@ class DiskStore:
             elif hashlib.blake2b(payload, digest_size=16).digest() != digest:
                 problem = "checksum mismatch"
         if problem is not None:
-            logger.warning("disk KV cache: %s is damaged (%s); deleted, not loaded", path.name, problem)
+            logger.warning(
+                "disk KV cache: %s is damaged (%s); deleted, not loaded", path.name, problem
+            )
             path.unlink(missing_ok=True)
             return None
         block = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

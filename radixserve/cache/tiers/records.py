@@ -44,4 +44,6 @@ class TierStats:
     # landing on the device): the longest, and in all.
     copy_s_max: float = 0.0
     copy_s_total: float = 0.0
-    cached_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    cached_tokens: dict[str, int] = field(
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0}
+    )

@@ -52,7 +52,10 @@ def prompted_tools_text(tools: list[dict[str, Any]]) -> str:
 
 def tool_call_text(name: str, arguments: str) -> str:
     """One call as the hermes/prompted format writes it (``arguments`` is JSON text)."""
-    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n</tool_call>'
+    return (
+        f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, '
+        f'"arguments": {arguments}}}\n</tool_call>'
+    )
 
 
 def _prompted_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -76,14 +79,19 @@ def _prompted_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def prompted_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def prompted_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Messages for a template without tool support: tools in the system message, tool calls
     and results as text.  ``tools`` empty: no tool description (tool_choice "none")."""
     out = _prompted_history(messages)
     if tools:
         text = prompted_tools_text(tools)
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" if out[0]["content"] else "") + text}
+            out[0] = {
+                **out[0],
+                "content": (out[0]["content"] + "\n\n" if out[0]["content"] else "") + text,
+            }
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
@@ -135,5 +143,7 @@ def detect_tool_parser(tokenizer: Any) -> str:
         return "mistral"
     if "<|python_tag|>" in text or "ipython" in text:
         return "llama3"
-    logger.warning("the chat template renders tools in an unknown format; parsing hermes tool calls")
+    logger.warning(
+        "the chat template renders tools in an unknown format; parsing hermes tool calls"
+    )
     return "hermes"

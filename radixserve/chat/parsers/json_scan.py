@@ -127,7 +127,9 @@ class JsonDepth:
         return self.depth == 0
 
 
-def call_from_object(obj: object, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> ToolCallParsed | None:
+def call_from_object(
+    obj: object, arg_keys: tuple[str, ...], names: frozenset[str] | None
+) -> ToolCallParsed | None:
     """``{"name": ..., "arguments": {...}}`` as a call, or None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -139,7 +141,9 @@ def call_from_object(obj: object, arg_keys: tuple[str, ...], names: frozenset[st
     return ToolCallParsed(obj["name"], json.dumps(obj[key], ensure_ascii=False))
 
 
-def calls_from_json_text(text: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> list[ToolCallParsed] | None:
+def calls_from_json_text(
+    text: str, arg_keys: tuple[str, ...], names: frozenset[str] | None
+) -> list[ToolCallParsed] | None:
     """Calls from a JSON array of call objects, or from call objects separated by ``;`` or
     ``,`` (a trailing ``]`` allowed); None unless the whole text is such calls."""
     decoder = json.JSONDecoder()

@@ -30,7 +30,9 @@ class ReasoningStream:
 
     def __init__(self, parser: str, *, prompt_opened: bool = False, thinking: bool = True) -> None:
         if parser not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser {parser!r}; choose from {REASONING_PARSERS}")
+            raise ValueError(
+                f"unknown reasoning parser {parser!r}; choose from {REASONING_PARSERS}"
+            )
         if parser == "deepseek-r1":
             self._state = "optional_start"
         elif not thinking:

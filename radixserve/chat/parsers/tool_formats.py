@@ -43,4 +43,6 @@ def tool_format(parser: str) -> ToolFormat:
     try:
         return PARSER_FORMATS[parser]
     except KeyError:
-        raise ValueError(f"unknown tool call parser {parser!r}; choose from {sorted(PARSER_FORMATS)}") from None
+        raise ValueError(
+            f"unknown tool call parser {parser!r}; choose from {sorted(PARSER_FORMATS)}"
+        ) from None

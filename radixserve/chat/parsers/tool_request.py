@@ -56,8 +56,15 @@ class ToolPlan:
 
 def _check_tool(i: int, tool: Any) -> dict[str, Any]:
     where = f"tools[{i}]"
-    shape = f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}"
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+    shape = (
+        f"{where} must be {{'type': 'function', "
+        f"'function': {{'name': ..., 'parameters': {{...}}}}}}"
+    )
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type") != "function"
+        or not isinstance(tool.get("function"), dict)
+    ):
         raise ToolRequestError(shape, "tools")
     extra = sorted(set(tool) - _TOOL_KEYS)
     if extra:
@@ -69,7 +76,10 @@ def _check_tool(i: int, tool: Any) -> dict[str, Any]:
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise ToolRequestError(
-            f"{where}.function.name must be 1 to 64 letters, digits, '_', '-', '.' or ':', got {name!r}", "tools")
+            f"{where}.function.name must be 1 to 64 letters, digits, '_', '-', '.' or ':', "
+            f"got {name!r}",
+            "tools",
+        )
     if "description" in fn and not isinstance(fn["description"], str | None):
         raise ToolRequestError(f"{where}.function.description must be a string", "tools")
     if "strict" in fn and not isinstance(fn["strict"], bool | None):
@@ -77,12 +87,15 @@ def _check_tool(i: int, tool: Any) -> dict[str, Any]:
     params = fn.get("parameters")
     if params is not None:
         if not isinstance(params, dict):
-            raise ToolRequestError(f"{where}.function.parameters must be a JSON schema object", "tools")
+            raise ToolRequestError(
+                f"{where}.function.parameters must be a JSON schema object", "tools"
+            )
         try:
             jsonschema.validators.validator_for(params).check_schema(params)
         except jsonschema.SchemaError as e:
             raise ToolRequestError(
-                f"{where}.function.parameters is not a valid JSON schema: {e.message}", "tools") from None
+                f"{where}.function.parameters is not a valid JSON schema: {e.message}", "tools"
+            ) from None
         if params.get("type", "object") != "object":
             raise ToolRequestError(
                 f"{where}.function.parameters must describe an object (\"type\": \"object\"), "
@@ -96,9 +109,14 @@ def _check_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise ToolRequestError(
-                f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice")
+                "tool_choice must be 'none', 'auto', 'required' or a named function, "
+                f"got {choice!r}",
+                "tool_choice",
+            )
         if choice == "required" and not names:
-            raise ToolRequestError("tool_choice 'required' needs a non-empty tools list", "tool_choice")
+            raise ToolRequestError(
+                "tool_choice 'required' needs a non-empty tools list", "tool_choice"
+            )
         return choice, None
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict)
@@ -109,11 +127,15 @@ def _check_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
     if fn["name"] not in names:
         known = ", ".join(names) or "no tools were given"
         raise ToolRequestError(
-            f"tool_choice names the function {fn['name']!r}, which is not in tools ({known})", "tool_choice")
+            f"tool_choice names the function {fn['name']!r}, which is not in tools ({known})",
+            "tool_choice",
+        )
     return "function", fn["name"]
 
 
-def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan:
+def plan_tools(
+    tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None
+) -> ToolPlan:
     """The validated plan for a chat request's tool fields."""
     checked = [_check_tool(i, t) for i, t in enumerate(tools or [])]
     names = [t["function"]["name"] for t in checked]

@@ -86,7 +86,11 @@ class ToolCallStream:
         last = self._out[-1] if self._out else None
         if isinstance(piece, ContentDelta) and isinstance(last, ContentDelta):
             self._out[-1] = ContentDelta(last.text + piece.text)
-        elif isinstance(piece, ToolArgsDelta) and isinstance(last, ToolArgsDelta) and last.index == piece.index:
+        elif (
+            isinstance(piece, ToolArgsDelta)
+            and isinstance(last, ToolArgsDelta)
+            and last.index == piece.index
+        ):
             self._out[-1] = ToolArgsDelta(piece.index, last.text + piece.text)
         else:
             self._out.append(piece)
@@ -227,7 +231,9 @@ class ToolCallStream:
         if idx < 0:
             return False
         block, rest = self._raw[:idx + len(end)], self._raw[idx + len(end):]
-        calls = calls_from_json_text(self._raw[len(self.fmt.start):idx], self.fmt.arg_keys, self.names)
+        calls = calls_from_json_text(
+            self._raw[len(self.fmt.start) : idx], self.fmt.arg_keys, self.names
+        )
         if calls is None:
             self._content(block)
         else:
@@ -239,7 +245,9 @@ class ToolCallStream:
         if self._state in ("open_list", "head", "fallback"):
             raw = self._raw + self._buf
             body = raw[len(self.fmt.start):] if raw.startswith(self.fmt.start) else raw
-            calls = None if self.fmt.end else calls_from_json_text(body, self.fmt.arg_keys, self.names)
+            calls = (
+                None if self.fmt.end else calls_from_json_text(body, self.fmt.arg_keys, self.names)
+            )
             if calls is None:
                 self._content(raw)
             else:
