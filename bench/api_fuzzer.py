@@ -1,6 +1,6 @@
 """Schemathesis cases from a server's own OpenAPI schema, sent and checked one by one.
 
-Used by ``bench/fuzz_api.py`` (the long run) and ``tests/test_fuzz_api.py`` (a bounded run).
+Used by ``bench/fuzz_api.py`` (the long run) and ``tests/http/test_fuzz_api.py`` (a bounded run).
 
 A route is fuzzed in units, each a Hypothesis run of schemathesis cases, half of them
 schema-conforming ("positive"), half schema-violating ("negative": wrong types, missing

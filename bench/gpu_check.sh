@@ -96,11 +96,11 @@ tests() {  # tests <name> <cap s> <file> [pytest args...]: one test file, compil
 }
 
 # 1. the tests (float32 held to 1e-5, bf16 to 1e-2), most important first
-tests test_kernels 60 tests/test_kernels.py
-tests test_triton_backend 25 tests/test_triton_backend.py
-tests test_triton_shared_prefix 30 tests/test_triton_shared_prefix.py
-tests test_cuda_graph 20 tests/test_cuda_graph.py
-tests test_device_guard 15 tests/test_device_guard.py
+tests test_kernels 60 tests/kernels/test_triton_kernels.py
+tests test_triton_backend 25 tests/engine/test_triton_backend.py
+tests test_triton_shared_prefix 30 tests/kernels/test_triton_shared_prefix.py
+tests test_cuda_graph 20 tests/engine/test_cuda_graph.py
+tests test_device_guard 15 tests/engine/test_device_guard.py
 # 2. the engine end to end (bench/results/gpu-e2e-<gpu>.json): its parts' budgets add up to
 #    225 s (GPU_BUDGETS in bench/gpu_e2e.py), cut to --time-limit; 60 s are kept for 3. and 4.
 secs=$(limit 240 60)
@@ -122,7 +122,7 @@ fi
 # 4. the slow sweep last, with what is left (mostly compile time: it may stop part way)
 left=$(( BUDGET_S - $(elapsed) - 15 ))  # 15 s for the summary
 if [ "$left" -ge 60 ]; then
-    tests test_kernels_slow $(( left < 150 ? left : 150 )) tests/test_kernels.py -m slow
+    tests test_kernels_slow $(( left < 150 ? left : 150 )) tests/kernels/test_triton_kernels.py -m slow
 else
     left_out test_kernels_slow "$left s of the ${BUDGET_S} s budget left"
 fi

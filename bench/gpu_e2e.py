@@ -39,7 +39,7 @@ by equal settings (parity's bfloat16 triton engine is the shared-prefix and swee
 ``--device cpu --quick`` is a dry run of all of it on tiny sizes: float32 and the torch backend
 only (Triton on a CPU is its slow interpreter), a tiny Llama for the 8B shape, one engine for
 both CUDA-graph settings (a CPU has none), the pure-torch CPU path (RADIXSERVE_CPU_KERNELS=0:
-no C++ build); tests/test_bench_gpu_e2e.py runs it.
+no C++ build); tests/bench/test_bench_gpu_e2e.py runs it.
 
 At the end it prints its checks against their targets: the same rows (``e2e_rows``) that
 bench/gpu_summary.py puts in gpu_check.sh's closing table.

@@ -8,9 +8,9 @@
 #   1. the README's set-up (a virtual environment in .venv, PyTorch's CPU build, the embedded
 #      default model, radixserve itself), unless a virtual environment is active;
 #   2. the `test` extra (pytest, the official clients, schemathesis, smg, mkdocs, ...);
-#   3. SGLang's frontend package (tests/test_sglang_compat.py) and NIXL (tests/test_disagg.py)
+#   3. SGLang's frontend package (tests/http/test_sglang_compat.py) and NIXL (tests/cluster/test_disagg.py)
 #      without their dependencies, which are GPU packages the tests do not use;
-#   4. Chromium through apt (tests/test_cache_page.py renders the /cache page headless), where
+#   4. Chromium through apt (tests/http/test_cache_page.py renders the /cache page headless), where
 #      it is missing and apt-get can run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ if ! command -v chromium >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }
     else
-        echo "tests/run.sh: no chromium and no root apt-get: tests/test_cache_page.py will be skipped" >&2
+        echo "tests/run.sh: no chromium and no root apt-get: tests/http/test_cache_page.py will be skipped" >&2
     fi
 fi
 python -m pytest "$@"

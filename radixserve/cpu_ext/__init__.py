@@ -74,8 +74,11 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     root = cache_root()  # the same folder as the converted models
+    # The sources' folder is part of the key: torch rebuilds a folder whose build file names
+    # other source paths, so two checkouts sharing one cache would rebuild each other's.
     key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+        str(SOURCES[0].parent).encode()
+        + b"".join(p.read_bytes() for p in SOURCES + HEADERS)
         + torch.__version__.encode()
         + _cpu_flags().encode()
         + " ".join(_FLAGS).encode()

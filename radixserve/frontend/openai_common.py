@@ -19,7 +19,7 @@ from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece
 from radixserve.runtime.tokenizer_manager import RequestError
 from radixserve.sampling import SamplingParams
-from radixserve.sampling.uniform import to_int64
+from radixserve.sampling.params import to_int64
 
 logger = logging.getLogger(__name__)
 SSE_DONE = b"data: [DONE]\n\n"

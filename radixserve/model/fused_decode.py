@@ -5,7 +5,7 @@ checks and conversions, every layer) is a large share of the step.  Where a
 step's layers run on the C++ kernels anyway (a CPU, one rank, at most ``KERNEL_MAX_ROWS`` rows,
 the paged kernel's plan, a pool its store writes, no q/k norm), they run in one call instead:
 the same kernels in the same order on the same tensors, so the logits are the same bits
-(tests/test_fused_decode.py).  Anything else takes the Python layers, and so does every step
+(tests/kernels/test_fused_decode.py).  Anything else takes the Python layers, and so does every step
 under torch's profiler, whose breakdown (scheduler/profiling.py) reads the layers' ranges.
 """
 

@@ -28,6 +28,11 @@ from radixserve.sampling.fields import (
 from radixserve.validation import FieldError
 
 
+def to_int64(x: int) -> int:
+    """``x`` wrapped into a signed 64-bit integer (a seed as the sampler's tensors hold it)."""
+    return (x + 2**63) % 2**64 - 2**63
+
+
 def draw_seed() -> int:
     """A fresh random seed for a request that did not ask for one (fits int64)."""
     return secrets.randbits(63)

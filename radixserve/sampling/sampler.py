@@ -41,14 +41,14 @@ import numpy as np
 import torch
 
 from radixserve import cpu_ext
-from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.params import SamplingParams, to_int64
 from radixserve.sampling.penalties import (
     apply_frequency_presence_penalties,
     apply_repetition_penalty,
     count_tokens,
     padded_token_ids,
 )
-from radixserve.sampling.uniform import counter_uniform, to_int64
+from radixserve.sampling.uniform import counter_uniform
 from radixserve.transfer import Upload, read_back, resolve
 
 # Tokens a filtered row takes from its distribution before filtering (see the module docstring):

@@ -14,10 +14,6 @@ _MIX2 = 0x94D049BB133111EB - 2**64
 _UNIFORM_BITS = 23  # 0.5 + k over 2**23 stays strictly inside (0, 1) in float32
 
 
-def to_int64(x: int) -> int:
-    return (x + 2**63) % 2**64 - 2**63
-
-
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
     return (x >> s) & ((1 << (64 - s)) - 1)

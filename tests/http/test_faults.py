@@ -498,7 +498,7 @@ def test_soak_smoke_run(tiny_chat_model, tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     if repo not in sys.path:
         sys.path.insert(0, repo)
     from bench import soak

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from helpers.assertions import expected_cached_len
 from helpers.oracle import hf_greedy
-from helpers.sched_driver import make_scheduler, run_until_idle, submit
+from helpers.sched_driver import make_scheduler, random_prompts, run_until_idle, submit
 
 ARCHS = ["llama", "mistral-mha", "qwen2", "qwen3-hd128"]
-
-
-def prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(6, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def check_against_hf(folder: str, sched, reqs: list[list[int]], max_new: int = 12) -> dict:
@@ -33,7 +26,7 @@ def test_mixed_batches_match_hf(tiny_model_dir, arch: str, page_size: int) -> No
     # A small prefill budget admits the prompts over several steps, so later prefills share
     # forwards with earlier requests' decodes (mixed batches).
     sched = make_scheduler(folder, page_size=page_size, max_prefill_tokens=40, max_total_tokens=2048)
-    check_against_hf(folder, sched, prompts(5, 3, 30, seed=page_size))
+    check_against_hf(folder, sched, random_prompts(5, 3, 30, seed=page_size))
     stats = sched.get_stats()
     assert stats["mixed_steps"] > 0
     assert stats["requests_finished"] == 5
@@ -44,7 +37,7 @@ def test_mixed_batches_match_hf(tiny_model_dir, arch: str, page_size: int) -> No
 def test_chunked_prefill_matches_hf(tiny_model_dir, arch: str, page_size: int) -> None:
     folder = tiny_model_dir(arch)
     sched = make_scheduler(folder, page_size=page_size, chunked_prefill_size=16, max_total_tokens=2048)
-    reqs = prompts(3, 40, 70, seed=3)
+    reqs = random_prompts(3, 40, 70, seed=3)
     check_against_hf(folder, sched, reqs)
     # Each prompt needed several chunks; computed tokens still equal the prompt tokens.
     assert all(expected_cached_len(p, reqs[:i], page_size) == 0 for i, p in enumerate(reqs))
@@ -57,7 +50,7 @@ def test_chunked_prefill_matches_hf(tiny_model_dir, arch: str, page_size: int) -
 def test_second_request_hits_cache(tiny_model_dir, page_size: int) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, page_size=page_size, max_total_tokens=2048)
-    shared = prompts(1, 48, 48, seed=7)[0]
+    shared = random_prompts(1, 48, 48, seed=7)[0]
     first = check_against_hf(folder, sched, [shared + [10, 11, 12]])
     assert list(first.values())[0]["meta"]["cached_tokens"] == 0
     second = check_against_hf(folder, sched, [shared + [20, 21]])
@@ -74,15 +67,15 @@ def test_retraction_under_memory_pressure_matches_hf(tiny_model_dir, page_size: 
     # Admission reserves only part of each request's future tokens (new_token_ratio), so
     # requests of ~20 prompt + 60 output tokens outgrow a 256-token pool and get retracted.
     sched = make_scheduler(folder, page_size=page_size, max_total_tokens=256)
-    check_against_hf(folder, sched, prompts(8, 16, 24, seed=11), max_new=60)
+    check_against_hf(folder, sched, random_prompts(8, 16, 24, seed=11), max_new=60)
     assert sched.get_stats()["retractions"] > 0
 
 
 def test_burst_with_shared_prefix_computes_it_once(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=4096, chunked_prefill_size=64)
-    system = prompts(1, 100, 100, seed=5)[0]
-    tails = prompts(8, 8, 12, seed=6)
+    system = random_prompts(1, 100, 100, seed=5)[0]
+    tails = random_prompts(8, 8, 12, seed=6)
     reqs = [system + t for t in tails]
     check_against_hf(folder, sched, reqs, max_new=4)
     # The first request computes the system prompt; the seven others wait one step and read
@@ -98,7 +91,7 @@ def test_burst_with_shared_prefix_computes_it_once(tiny_model_dir) -> None:
 def test_identical_prompts_in_one_batch(tiny_model_dir, page_size: int) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, page_size=page_size, max_total_tokens=1024)
-    p = prompts(1, 10, 10, seed=9)[0]  # shorter than the in-batch sharing threshold
+    p = random_prompts(1, 10, 10, seed=9)[0]  # shorter than the in-batch sharing threshold
     results = check_against_hf(folder, sched, [p, p, p])
     assert len({tuple(r["output_ids"]) for r in results.values()}) == 1
     # The copies wait one step, then read from the tree all the first one computed but the
@@ -116,8 +109,8 @@ def test_policies_and_cache_off_give_same_tokens(tiny_model_dir, policy: str, di
         folder, schedule_policy=policy, disable_radix_cache=disable, max_total_tokens=1024,
         max_prefill_tokens=48,
     )
-    base = prompts(1, 30, 30, seed=1)[0]
-    reqs = [base + t for t in prompts(4, 2, 6, seed=2)] + prompts(2, 5, 20, seed=3)
+    base = random_prompts(1, 30, 30, seed=1)[0]
+    reqs = [base + t for t in random_prompts(4, 2, 6, seed=2)] + random_prompts(2, 5, 20, seed=3)
     results = check_against_hf(folder, sched, reqs, max_new=6)
     if disable:
         assert all(r["meta"]["cached_tokens"] == 0 for r in results.values())
@@ -127,12 +120,12 @@ def test_policies_and_cache_off_give_same_tokens(tiny_model_dir, policy: str, di
 def test_stop_conditions(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=1024, context_length=60)
-    p = prompts(1, 12, 12, seed=4)[0]
+    p = random_prompts(1, 12, 12, seed=4)[0]
     ref = hf_greedy(folder, p, 40)
     stop_tok = ref[5]
     r_stop = submit(sched, p, max_new_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True)
     r_len = submit(sched, p, max_new_tokens=3, ignore_eos=True)
-    long_p = prompts(1, 55, 55, seed=8)[0]
+    long_p = random_prompts(1, 55, 55, seed=8)[0]
     r_ctx = submit(sched, long_p, max_new_tokens=100, ignore_eos=True)
     r_eos = submit(sched, p, max_new_tokens=40, stop_token_ids=[], ignore_eos=False)
     res = run_until_idle(sched)
@@ -148,7 +141,7 @@ def test_stop_conditions(tiny_model_dir) -> None:
 def test_abort_frees_pages_and_keeps_partial_kv_out(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=1024)
-    p = prompts(1, 20, 20, seed=12)[0]
+    p = random_prompts(1, 20, 20, seed=12)[0]
     rid = submit(sched, p, max_new_tokens=50, ignore_eos=True)
     for _ in range(6):
         sched.step()
@@ -169,7 +162,7 @@ def test_abort_frees_pages_and_keeps_partial_kv_out(tiny_model_dir) -> None:
 def test_prefill_only_caches_the_prompt_and_samples_nothing(tiny_model_dir, page_size: int) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, page_size=page_size, chunked_prefill_size=16, max_total_tokens=2048)
-    p, q = prompts(2, 50, 50, seed=31)
+    p, q = random_prompts(2, 50, 50, seed=31)
     # max_new_tokens 0 (chunked: 50 tokens in chunks of 16), beside a request that decodes.
     other = submit(sched, q[:10], max_new_tokens=8, ignore_eos=True)
     rid = submit(sched, p, max_new_tokens=0)
@@ -236,7 +229,7 @@ def test_bad_requests_are_answered_and_others_continue(tiny_model_dir) -> None:
 def test_eviction_is_lru_and_counted(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, max_total_tokens=128)
-    for p in prompts(6, 30, 30, seed=13):
+    for p in random_prompts(6, 30, 30, seed=13):
         submit(sched, p, max_new_tokens=2, ignore_eos=True)
         run_until_idle(sched)
     stats = sched.get_stats()
@@ -244,7 +237,8 @@ def test_eviction_is_lru_and_counted(tiny_model_dir) -> None:
     assert sched.tree.total_size() <= 128
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+# Page size 1 against the tiny models in every test above; the default model at 1 with -m slow.
+@pytest.mark.parametrize("page_size", [pytest.param(1, marks=pytest.mark.slow), 16])
 def test_default_model_matches_hf_through_every_path(default_model_path, page_size: int) -> None:
     """Default model, float32: chunked prefill, mixed batches, a cache hit and retraction."""
     from radixserve.tokenizer import load_tokenizer

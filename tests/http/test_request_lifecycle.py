@@ -1,6 +1,7 @@
-"""Defects a review found in the front end and the Engine: client request ids reused or
-duplicated, the time-to-first-token metric of non-streaming requests, a failed request in an
-Engine batch leaving the others running."""
+"""A request's life from its id to its last answer, over HTTP and through the Engine: client
+request ids reused or duplicated, aborts by client id, the time-to-first-token metric of
+non-streaming requests, a failed request in an Engine batch (the others are aborted), errors
+that name the request field, and a client that leaves before its answer."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""What the API fuzzing found, pinned without a server: sampling parameters that cannot cross
-the process boundary are refused on arrival, and /generate documents its sampling_params.
+"""Sampling parameters' bounds, without a server: values that cannot cross the process
+boundary (integers beyond int64, lone surrogates) are refused on arrival naming the field, the
+documented bounds are the checked ones, and /generate documents every sampling parameter.
 
-(The HTTP regressions, a request -> a 400 naming the field, are in ``test_fuzz_api.py``.)
+(The same over HTTP, a request -> a 400 naming the field, is in ``tests/http/test_fuzz_api.py``.)
 """
 
 from __future__ import annotations

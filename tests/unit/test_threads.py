@@ -8,7 +8,7 @@ import sys
 
 from radixserve.threads import available_cores, scheduler_threads
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_scheduler_uses_the_cores_of_its_affinity_mask_unless_told(monkeypatch) -> None:

@@ -17,7 +17,7 @@ import openai
 import psutil
 import pytest
 
-RECIPE = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cluster"
 
 
 def free_base_port() -> int:
@@ -71,7 +71,11 @@ def stop(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
-@pytest.mark.parametrize("mode", ["http", "grpc-kv-events", "pd"])
+# PD=1 runs both scripts end to end and the pairing on top; the plain HTTP recipe and EVENTS=1
+# (gRPC workers, KV-event routing: tests/cluster/test_router_grpc.py, test_kv_events.py) run
+# with -m slow.
+@pytest.mark.parametrize("mode", [pytest.param("http", marks=pytest.mark.slow),
+                                  pytest.param("grpc-kv-events", marks=pytest.mark.slow), "pd"])
 def test_workers_and_router_scripts_serve_a_chat_and_stop_together(tiny_chat_model: str, tmp_path, mode: str) -> None:
     """EVENTS=1: the same recipe with smg talking to the workers over gRPC and routing on their
     KV events.  PD=1: worker 1 prefills, worker 2 decodes, smg pairs them."""

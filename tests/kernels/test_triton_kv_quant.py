@@ -10,17 +10,18 @@
   over ``KVPool.read``; the scheduler on the Triton backend serves an int8 pool as the torch
   backend does.
 
-Cases come from tests/test_kernels.py and tests/test_triton_shared_prefix.py (random paged
-pools, junk past each sequence, NaN-poisoned outputs).
+Cases come from test_triton_kernels.py and test_triton_shared_prefix.py beside this file (random
+paged pools, junk past each sequence, NaN-poisoned outputs).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import test_kernels as tk
+import test_triton_kernels as tk
 import test_triton_shared_prefix as tsp
 import torch
+from helpers.params import each_value_then_slow
 from radixserve.kernels.decode_attention import alloc_decode_workspace, decode_attention
 from radixserve.kernels.extend_attention import build_extend_plan, extend_attention
 from radixserve.kernels.kv_store import store_kv
@@ -132,8 +133,7 @@ def test_an_int8_pool_without_scales_is_refused() -> None:
 # ------------------------------------------------------------------------------ attention
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype, dtype", each_value_then_slow(KV_DTYPES, [torch.float32, torch.bfloat16]))
 def test_decode_reads_the_8bit_pool(kv_dtype: str, dtype: torch.dtype) -> None:
     case = tk.make_case([0, 37, 300, 129], [1, 1, 1, 1], 8, 2, 64, 16, dtype, seed=21)
     pool = quantized_pool(case, kv_dtype)
@@ -152,8 +152,7 @@ def test_decode_reads_the_8bit_pool(kv_dtype: str, dtype: torch.dtype) -> None:
     assert tk.rel_err(out, attention_reference(case, *stored(pool, LAYER))) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype, dtype", each_value_then_slow(KV_DTYPES, [torch.float32, torch.bfloat16]))
 def test_extend_reads_the_8bit_pool(kv_dtype: str, dtype: torch.dtype) -> None:
     """Cached prefixes come from the 8-bit pool, this step's keys as given."""
     case = tk.make_case([0, 1, 90, 37], [23, 9, 40, 70], 6, 2, 64, 16, dtype, seed=31,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from helpers.server import ServerProcess
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def load(name: str) -> ModuleType:

@@ -1,4 +1,4 @@
-"""Weight-only int8 (radixserve/quantization.py, cpu_ext/linear_ops.cpp): the C++ kernel and the
+"""Weight-only int8 (radixserve/quantization/int8.py, cpu_ext/linear_ops.cpp): the C++ kernel and the
 dequantize path against the dequantized weight, the rounding bound, a quantized tiny model
 against its float twin, the settings' errors, and the default model through the Engine."""
 

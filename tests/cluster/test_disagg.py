@@ -308,7 +308,7 @@ def test_a_colocated_worker_refuses_bootstrap_fields(single) -> None:
 LONG = "The history of every river, mountain and city in Europe, told slowly. " * 400  # ~6k tokens
 
 
-@pytest.mark.parametrize("victim", ["decode", "prefill"])
+@pytest.mark.parametrize("victim", ["decode", pytest.param("prefill", marks=pytest.mark.slow)])
 def test_a_killed_worker_fails_its_in_flight_request_and_the_survivor_frees_its_slots(victim: str) -> None:
     pair = start_pair()
     try:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
+
+# The cache family's smoke run in the default run is tests/bench/test_bench_cache_views.py; this
+# one starts an Engine per policy and tier (about 15 starts) and runs with -m slow.
+@pytest.mark.slow
 def test_quick_cache_pressure_report(tmp_path, default_model_path) -> None:
     from bench.cache_pressure import EVICTION_POLICIES, SCHEDULE_POLICIES, TIER_CONFIGS, main
 

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
+
+# The cluster family's smoke run in the default run is tests/bench/test_bench_cluster.py;
+# disaggregation itself is covered there by tests/cluster/test_disagg.py.
+@pytest.mark.slow
 def test_quick_disagg_report(tmp_path, tiny_chat_model, capsys) -> None:
     import torch
     from transformers import AutoConfig

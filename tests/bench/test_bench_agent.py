@@ -8,14 +8,19 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import agent  # noqa: E402
 
 
-def test_quick_run_reports_every_weight_format_and_mode(tmp_path, default_model_path, capsys) -> None:
+# The agent family's smoke run in the default run is the HTTP loop below; the weight formats
+# and n-gram drafts it compares are covered by tests/kernels/ and tests/engine/.
+@pytest.mark.slow
+def test_quick_run_reports_every_weight_format_and_mode(tmp_path, default_model_path) -> None:
     out = tmp_path / "agent.json"
     report = agent.main(["--quick", "--quantizations", "none,int8,gguf", "--out", str(out)])
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(report["results"]))
@@ -44,8 +49,6 @@ def test_quick_run_reports_every_weight_format_and_mode(tmp_path, default_model_
     for mode in ("greedy", "sampled"):
         assert rows[("none", mode, "ngram")]["identical_vs_none"] == [1.0, 1.0]
         assert rows[("int8", mode, "ngram")]["output_ids"] == rows[("int8", mode, "none")]["output_ids"]
-    table = capsys.readouterr().out
-    assert "decode ms/tok" in table and "accept len" in table
 
 
 def test_http_loop_reports_each_server(tmp_path) -> None:

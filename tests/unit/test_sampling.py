@@ -450,11 +450,12 @@ _PEAKED = torch.randn(3000, generator=torch.Generator().manual_seed(12)) * 3
 @pytest.mark.parametrize(
     "logits, params",
     [
-        (_FLAT, P(top_p=0.9)),
-        (_FLAT, P(min_p=0.5, temperature=0.7)),
-        (_FLAT, P(top_k=400, top_p=0.8)),  # top_k above the candidates: all of it taken
-        (_PEAKED, P(top_p=0.95, temperature=1.3)),
-        (_PEAKED, P(top_k=20, min_p=0.02)),
+        (_FLAT, P(top_p=0.9)),  # the rerun with every token a candidate
+        pytest.param(_FLAT, P(min_p=0.5, temperature=0.7), marks=pytest.mark.slow),
+        # top_k above the candidates: all of it taken
+        pytest.param(_FLAT, P(top_k=400, top_p=0.8), marks=pytest.mark.slow),
+        pytest.param(_PEAKED, P(top_p=0.95, temperature=1.3), marks=pytest.mark.slow),
+        (_PEAKED, P(top_k=20, min_p=0.02)),  # the candidates alone
     ],
 )
 def test_large_vocab_distribution_matches_a_full_sort(logits, params):

@@ -79,3 +79,18 @@ def test_no_timing_narratives_in_code_readme_or_docs() -> None:
              for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
              if TIMING_ARROW.search(line)]
     assert not found, "before/after timings:\n" + "\n".join(found[:20])
+
+
+FILE_PATH = re.compile(r"\b((?:tests|bench|radixserve|examples|kernels)/[\w/.-]*[a-z0-9_]\.(?:py|sh|md|cpp|h))\b")
+
+
+def test_every_file_the_docs_and_code_name_exists() -> None:
+    """A path like ``tests/engine/test_models.py`` in the README, the docs, the package, the
+    benchmarks, the tests or CI names a file of this checkout (moved files leave no stale name)."""
+    root = Path(ROOT)
+    files = [root / "README.md", root / ".ci" / "run", root / "pyproject.toml", *PAGES]
+    for folder in ("radixserve", "bench", "tests", "examples"):
+        files += [p for p in (root / folder).rglob("*") if p.suffix in (".py", ".sh", ".md")]
+    missing = sorted({f"{p.relative_to(root)}: {m}" for p in files for m in FILE_PATH.findall(p.read_text())
+                      if "*" not in m and not (root / m).exists()})
+    assert not missing, "\n".join(missing)

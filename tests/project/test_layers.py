@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = {"radixserve": ROOT / "radixserve", "radixserve.kernels": ROOT / "kernels"}
 
 
@@ -189,7 +189,7 @@ def test_every_part_is_placed_once():
 
 def test_the_docs_list_the_layers():
     page = (ROOT / "docs" / "architecture.md").read_text()
-    block = page.split("<!-- layers: tests/test_layers.py -->", 1)[1].split("```", 2)[1]
+    block = page.split("<!-- layers: tests/project/test_layers.py -->", 1)[1].split("```", 2)[1]
     rows = [line for line in block.splitlines() if line[:1].isdigit()]
     listed = tuple(tuple(line.split(".", 1)[1].split()) for line in rows)
     assert listed == LAYERS
@@ -238,6 +238,20 @@ def test_no_package_file_reaches_into_bench():
             if any(m == "bench" or m.startswith("bench.") for m in mods):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+def test_the_front_end_starts_without_torch():
+    """The HTTP process and the command line import no torch or transformers when they load:
+    the server binds its port and starts the model processes while those import torch, and a
+    request's validation needs neither (the tokenizer is loaded when the server starts)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, radixserve.cli, radixserve.frontend.server; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_no_package_file_over_400_lines():

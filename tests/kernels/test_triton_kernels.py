@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.params import each_value_then_slow, pairwise_then_slow
 from radixserve.kernels.decode_attention import alloc_decode_workspace, decode_attention
 from radixserve.kernels.extend_attention import (
     ExtendConfig,
@@ -37,7 +38,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 NUM_LAYERS = 2
 LAYER = 1
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ------------------------------------------------------------------------------ random cases
@@ -229,9 +230,7 @@ def run_decode(case: Case, num_splits: int) -> torch.Tensor:
     return out[token_idx]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("ratio", [1, 3, 4, 8])
+@pytest.mark.parametrize("ratio, head_dim, page_size", pairwise_then_slow([1, 3, 4, 8], [64, 128], [1, 16]))
 def test_decode_kernel_float32(ratio: int, head_dim: int, page_size: int) -> None:
     heads, kv = gqa(ratio)
     case = make_case(DECODE_PREFIXES, [1] * 5, heads, kv, head_dim, page_size, torch.float32,
@@ -276,9 +275,7 @@ def run_extend(case: Case, config: ExtendConfig | None = None) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("ratio", [1, 3, 4, 8])
+@pytest.mark.parametrize("ratio, head_dim, page_size", pairwise_then_slow([1, 3, 4, 8], [64, 128], [1, 16]))
 def test_extend_kernel_float32(ratio: int, head_dim: int, page_size: int) -> None:
     heads, kv = gqa(ratio)
     case = make_case(EXTEND_PREFIXES, EXTEND_LENS, heads, kv, head_dim, page_size, torch.float32,
@@ -368,9 +365,10 @@ BATCHES = {
 }
 
 
-@pytest.mark.parametrize("batch", sorted(BATCHES))
-@pytest.mark.parametrize("ratio, head_dim, page_size", [(1, 64, 16), (3, 128, 1), (4, 64, 1), (8, 128, 16)])
-def test_backend_matches_torch_backend(batch: str, ratio: int, head_dim: int, page_size: int) -> None:
+@pytest.mark.parametrize("batch, shape", each_value_then_slow(
+    sorted(BATCHES), [(1, 64, 16), (3, 128, 1), (4, 64, 1), (8, 128, 16)]))
+def test_backend_matches_torch_backend(batch: str, shape: tuple[int, int, int]) -> None:
+    ratio, head_dim, page_size = shape
     heads, kv = gqa(ratio)
     prefix_lens, extend_lens = BATCHES[batch]
     case = make_case(prefix_lens, extend_lens, heads, kv, head_dim, page_size, torch.float32,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from helpers.params import pairwise_then_slow
 from radixserve.kernels.decode_attention import alloc_decode_workspace, decode_attention
 from radixserve.kernels.shared_prefix_decode import (
     CascadeHostPlan,
@@ -181,9 +182,7 @@ def check(case: Case, num_splits: int, groups: int) -> None:
 # ------------------------------------------------------------------------------ kernel
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("ratio, head_dim, page_size", pairwise_then_slow([1, 4, 8], [64, 128], [1, 16]))
 def test_cascade_float32(ratio: int, head_dim: int, page_size: int) -> None:
     # Shared lengths: 37 / 70 keys (page 1) or 48 / 64 (page 16), against blocks of 32 keys.
     shared = (37, 70) if page_size == 1 else (48, 64)

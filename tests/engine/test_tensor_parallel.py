@@ -141,8 +141,9 @@ def assert_same(a: list[dict], b: list[dict]) -> None:
             np.testing.assert_allclose(lx, ly, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name,collectives", [("llama", "shm"), ("llama", "gloo"), ("qwen3-hd128", "shm"),
-                                              ("qwen2", "shm")])
+@pytest.mark.parametrize("name,collectives", [
+    pytest.param("llama", "shm", marks=pytest.mark.slow), ("llama", "gloo"), ("qwen3-hd128", "shm"),
+    ("qwen2", "shm")])
 def test_tp2_greedy_equals_tp1_with_hits_and_chunks(name: str, collectives: str, tiny_model_dir,
                                                      default_model_path, monkeypatch) -> None:
     """llama: 2 KV heads, one per rank; qwen3-hd128: 1 KV head, replicated (q/k norm); qwen2:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from helpers.server import ServerProcess, memory_checked_after_each_test
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

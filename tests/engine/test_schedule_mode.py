@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.oracle import hf_greedy
-from helpers.sched_driver import make_scheduler, run_until_idle, submit
-from test_scheduler import prompts
+from helpers.sched_driver import make_scheduler, random_prompts, run_until_idle, submit
 
 from radixserve.config import ServerArgs
 
@@ -20,7 +19,7 @@ def decodes_during_a_prefill(folder: str, mode: str, page_size: int) -> tuple[li
     output length after each of B's prefill steps, the results, and the scheduler."""
     sched = make_scheduler(folder, schedule_mode=mode, chunked_prefill_size=16, page_size=page_size,
                            max_total_tokens=2048)
-    first, second = prompts(2, 60, 60, seed=11)
+    first, second = random_prompts(2, 60, 60, seed=11)
     a = submit(sched, first[:12], max_new_tokens=24, ignore_eos=True)
     while running(sched, a) is None or running(sched, a).output_len < 3:
         sched.step()
@@ -35,7 +34,7 @@ def decodes_during_a_prefill(folder: str, mode: str, page_size: int) -> tuple[li
     return lengths, results, sched
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [pytest.param(1, marks=pytest.mark.slow), 16])
 def test_prefill_first_pauses_decodes_while_a_prompt_computes(tiny_model_dir, page_size: int) -> None:
     folder = tiny_model_dir("llama")
     mixed, _, sched_mixed = decodes_during_a_prefill(folder, "mixed", page_size)
@@ -51,7 +50,7 @@ def test_prefill_first_still_decodes_when_no_prompt_fits(tiny_model_dir) -> None
     """A prompt that waits for memory does not stop the decodes that will free it."""
     folder = tiny_model_dir("llama")
     sched = make_scheduler(folder, schedule_mode="prefill-first", max_total_tokens=160, chunked_prefill_size=-1)
-    reqs = prompts(3, 40, 40, seed=5)
+    reqs = random_prompts(3, 40, 40, seed=5)
     rids = [submit(sched, p, max_new_tokens=30, ignore_eos=True) for p in reqs]
     seen: dict[str, int] = {}
     decoded_while_waiting = []

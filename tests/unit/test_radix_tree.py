@@ -29,7 +29,7 @@ from radixserve.cache.radix_tree import RadixCache
 from radixserve.cache.tree_check import check_tree, tree_text
 from radixserve.cache.tree_node import DEVICE, HOST, TreeNode
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Pool:
