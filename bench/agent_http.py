@@ -18,6 +18,18 @@ quantized to int8 against the 4-bit blocks, llama.cpp's arithmetic), ``float32``
 int8``), ``gguf`` (``--quantization gguf``: the GGUF's own Q4_1 / Q8_0 blocks, what ``auto`` serves),
 ``float32-ngram``, ``int8-ngram``, ``gguf-ngram`` (``--speculative-algorithm ngram``) and
 ``llama-server`` (the embedded model's Q4_1 GGUF, or ``--gguf``).
+
+``--flood`` runs another comparison: the same loop over the Responses
+API with ``store`` and ``previous_response_id`` (each turn sends only its new input; the server
+pins the stored conversation in its radix cache) against the loop over the chat API (each turn
+resends the whole conversation, nothing pinned), each on a fresh server with a small KV pool
+(``--pool-tokens``), with the same flood of distinct long prompts (``--flood-prompts`` x
+``--flood-len`` tokens, more than the pool holds) sent between turns, the other traffic of a
+server while an agent waits on a tool.  Per turn: the share of the prompt read from the cache
+(``cached_tokens / prompt_tokens``) and TTFT.
+
+    python bench/agent_http.py --flood                          # the default server preset
+    python bench/agent_http.py --flood --quick --servers float32
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ RADIXSERVE = {
     "gguf-ngram": ["--dtype", "float32", "--quantization", "gguf", "--speculative-algorithm", "ngram"],
 }
 SERVERS = (*RADIXSERVE, "llama-server")
+FLOOD_APIS = ("responses", "chat")  # the loop with a stored, pinned conversation; the resending one
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,16 +80,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_loop_args(p)
     p.add_argument("--modes", default="greedy", help=f"comma list of {sorted(MODES)}")
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent_http.json")
+    add_flood_args(p)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON report (default: bench/results/agent_http.json, with --flood agent_http_flood.json)")
     args = p.parse_args(argv)
     check_loop_args(p, args)
+    check_flood_args(p, args)
+    if args.out is None:
+        args.out = REPO / "bench" / "results" / ("agent_http_flood.json" if args.flood else "agent_http.json")
     default = [s for s in SERVERS if s != "llama-server" or args.llama_server]
+    if args.flood:
+        default = ["default"]
     args.servers = default if args.servers is None else [s.strip() for s in args.servers.split(",") if s.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.servers or set(args.servers) - set(SERVERS):
         p.error(f"--servers takes {', '.join(SERVERS)}")
     if "llama-server" in args.servers and not args.llama_server:
         p.error("llama-server needs --llama-server PATH")
+    if args.flood and "llama-server" in args.servers:
+        p.error("--flood compares radixserve's two APIs: --servers takes its presets only")
     if not args.modes or set(args.modes) - set(MODES):
         p.error(f"--modes takes {sorted(MODES)}")
     return args
@@ -108,6 +130,29 @@ def default_gguf() -> Path:
     return next(folder.glob("*.gguf"))
 
 
+def chat_turn(client: Any, messages: list[dict[str, Any]], params: dict[str, Any],
+              extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """One streamed chat request: its timings and usage, and the answer's text."""
+    t0 = time.perf_counter()
+    stamps, text, usage = [], [], None
+    stream = client.chat.completions.create(
+        model="agent", messages=messages, stream=True, stream_options={"include_usage": True},
+        max_tokens=params["max_new_tokens"], temperature=params["temperature"],
+        top_p=params.get("top_p", 1.0), seed=params.get("seed"), extra_body=extra)
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter() - t0)
+            text.append(chunk.choices[0].delta.content)
+    details = usage.prompt_tokens_details if usage is not None else None
+    turn = {"ttft_s": stamps[0] if stamps else None, "last_s": stamps[-1] if stamps else None,
+            "completion_tokens": usage.completion_tokens if usage is not None else len(stamps),
+            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+            "cached_tokens": details.cached_tokens if details is not None else None}
+    return turn, "".join(text)
+
+
 def run_loop(base_url: str, system: str, users: list[str], params: dict[str, Any]) -> dict[str, Any]:
     """One agent loop over the OpenAI chat API; per turn: TTFT, last token time, tokens."""
     import openai
@@ -118,27 +163,157 @@ def run_loop(base_url: str, system: str, users: list[str], params: dict[str, Any
     started = time.perf_counter()
     for user in users:
         messages.append({"role": "user", "content": user})
-        t0 = time.perf_counter()
-        stamps, text, usage = [], [], None
-        stream = client.chat.completions.create(
-            model="agent", messages=messages, stream=True, stream_options={"include_usage": True},
-            max_tokens=params["max_new_tokens"], temperature=params["temperature"],
-            top_p=params.get("top_p", 1.0), seed=params.get("seed"), extra_body={"ignore_eos": True})
-        for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            if chunk.choices and chunk.choices[0].delta.content:
-                stamps.append(time.perf_counter() - t0)
-                text.append(chunk.choices[0].delta.content)
-        tokens = usage.completion_tokens if usage is not None else len(stamps)
-        turns.append({"ttft_s": stamps[0], "last_s": stamps[-1], "completion_tokens": tokens,
-                      "prompt_tokens": usage.prompt_tokens if usage is not None else None})
-        messages.append({"role": "assistant", "content": "".join(text)})
+        turn, answer = chat_turn(client, messages, params, {"ignore_eos": True})
+        turns.append(turn)
+        messages.append({"role": "assistant", "content": answer})
     return {"wall_s": time.perf_counter() - started, "turns": turns}
+
+
+# ---------------------------------------------------------------- --flood: Responses vs chat
+
+
+def add_flood_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--flood", action="store_true",
+                   help="the loop over the Responses API (store, previous_response_id) against the "
+                        "chat API, with a flood of other prompts between turns")
+    p.add_argument("--pool-tokens", type=int, default=4096, help="--flood: the server's KV pool (--max-total-tokens)")
+    p.add_argument("--flood-prompts", type=int, default=5, help="--flood: distinct prompts sent between two turns")
+    p.add_argument("--flood-len", type=int, default=1024, help="--flood: tokens of each flood prompt")
+
+
+def check_flood_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.flood and args.quick:  # the quick loop's conversation is ~200 tokens
+        args.pool_tokens, args.flood_prompts, args.flood_len = 1024, 5, 256
+    if args.flood and args.flood_prompts * args.flood_len <= args.pool_tokens:
+        p.error("--flood-prompts x --flood-len must be more tokens than --pool-tokens, or nothing is evicted")
+
+
+def flood_prompts(tokenizer: Any, args: argparse.Namespace) -> list[list[str]]:
+    """For each gap between two turns, ``--flood-prompts`` distinct texts of ``--flood-len``
+    tokens (another seed's stream than the conversation's: no prefix in common with it)."""
+    from bench.workloads import TokenStream
+
+    stream = TokenStream(tokenizer, args.seed + 1)
+    return [[f"Document {gap}.{i}:\n" + tokenizer.decode(stream.take(args.flood_len))
+             for i in range(args.flood_prompts)] for gap in range(args.turns - 1)]
+
+
+def send_flood(client: Any, prompts: list[str]) -> float:
+    """Each prompt through ``/v1/completions`` (one output token), one after another: their KV
+    fills the pool and evicts what is neither running nor pinned.  Returns the seconds taken."""
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        client.completions.create(model="agent", prompt=prompt, max_tokens=1, temperature=0)
+    return time.perf_counter() - t0
+
+
+def responses_turn(client: Any, new_input: list[dict[str, Any]], previous: str | None,
+                   params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """One streamed, stored Responses request continuing ``previous``: its timings and usage,
+    and the response's id."""
+    t0 = time.perf_counter()
+    stamps, final = [], None
+    stream = client.responses.create(
+        model="agent", input=new_input, previous_response_id=previous, store=True, stream=True,
+        max_output_tokens=params["max_new_tokens"], temperature=params["temperature"],
+        top_p=params.get("top_p", 1.0))
+    for event in stream:
+        if event.type == "response.output_text.delta" and event.delta:
+            stamps.append(time.perf_counter() - t0)
+        elif event.type in ("response.completed", "response.incomplete", "response.failed"):
+            final = event.response
+    if final is None or final.usage is None:
+        raise RuntimeError("the Responses stream ended without a finished response")
+    usage = final.usage
+    turn = {"ttft_s": stamps[0] if stamps else None, "last_s": stamps[-1] if stamps else None,
+            "completion_tokens": usage.output_tokens, "prompt_tokens": usage.input_tokens,
+            "cached_tokens": usage.input_tokens_details.cached_tokens}
+    return turn, final.id
+
+
+def run_flood_loop(api: str, base_url: str, system: str, users: list[str], floods: list[list[str]],
+                   params: dict[str, Any]) -> dict[str, Any]:
+    """The agent loop over ``api`` with ``floods[t]`` sent between turns t and t + 1."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
+    messages = [{"role": "system", "content": system}]  # chat: the whole conversation, resent
+    previous: str | None = None  # responses: the stored response the next turn continues
+    turns, flood_s = [], 0.0
+    started = time.perf_counter()
+    for t, user in enumerate(users):
+        if t:
+            flood_s += send_flood(client, floods[t - 1])
+        if api == "responses":  # the first turn's input holds the system message: stored with it
+            new = [{"role": "system", "content": system}] if previous is None else []
+            turn, previous = responses_turn(client, [*new, {"role": "user", "content": user}], previous, params)
+        else:
+            messages.append({"role": "user", "content": user})
+            turn, answer = chat_turn(client, messages, params)
+            messages.append({"role": "assistant", "content": answer})
+        turns.append(turn)
+    return {"wall_s": time.perf_counter() - started, "flood_s": flood_s, "turns": turns}
+
+
+def flood_row(server: str, mode: str, api: str, loop: dict[str, Any]) -> dict[str, Any]:
+    turns = loop["turns"]
+    return {"server": server, "mode": mode, "api": api, "wall_s": loop["wall_s"], "flood_s": loop["flood_s"],
+            "prompt_tokens": [t["prompt_tokens"] for t in turns],
+            "cached_tokens": [t["cached_tokens"] for t in turns],
+            "cached_fraction": [t["cached_tokens"] / t["prompt_tokens"] for t in turns],
+            "ttft_ms": [None if t["ttft_s"] is None else 1e3 * t["ttft_s"] for t in turns],
+            "completion_tokens": [t["completion_tokens"] for t in turns]}
+
+
+def flood_table(rows: list[dict[str, Any]]) -> str:
+    lines = [["server", "mode", "api", "turn", "prompt tokens", "cached tokens", "cached", "ttft ms"]]
+    for r in rows:
+        for t, ttft in enumerate(r["ttft_ms"]):
+            lines.append([r["server"], r["mode"], r["api"], str(t + 1), str(r["prompt_tokens"][t]),
+                          str(r["cached_tokens"][t]), f"{100 * r['cached_fraction'][t]:.1f}%",
+                          "-" if ttft is None else f"{ttft:.0f}"])
+    return align_columns(lines, left={0, 1, 2})
+
+
+def flood_main(args: argparse.Namespace) -> dict[str, Any]:
+    """``--flood``: per server preset and mode, each API's loop on a fresh server whose KV pool
+    is ``--pool-tokens``.  Sampling takes no seed (the Responses API has no such field)."""
+    from radixserve.model.default_model import default_model_path
+    from radixserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    system, users = conversation(tokenizer, args)
+    floods = flood_prompts(tokenizer, args)
+    kind = cpu_kind()
+    print(f"cpu: {kind['cpu_model']} ({kind['cpu_kind']}); KV pool {args.pool_tokens} tokens; "
+          f"{args.flood_prompts} x {args.flood_len}-token prompts between turns", flush=True)
+    rows: list[dict[str, Any]] = []
+    for name in args.servers:
+        for mode in args.modes:
+            params = {k: v for k, v in MODES[mode].items() if k != "seed"}
+            params["max_new_tokens"] = args.output_len
+            for api in FLOOD_APIS:
+                print(f"[{name} {mode} {api}] ...", flush=True)
+                server = RadixServer([*RADIXSERVE[name], "--max-total-tokens", str(args.pool_tokens)],
+                                     args.startup_timeout)
+                try:
+                    run_loop(server.base_url, "warm-up", ["Say hi."], {**params, "max_new_tokens": 2})
+                    rows.append(flood_row(name, mode, api, run_flood_loop(api, server.base_url, system, users,
+                                                                          floods, params)))
+                finally:
+                    server.stop()
+    print()
+    print(flood_table(rows))
+    report = {"benchmark": "agent_http_flood", "params": args_params(args), "machine": machine_info(),
+              "results": rows}
+    write_report(report, args.out)
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.flood:
+        return flood_main(args)
     from radixserve.model.default_model import default_model_path
     from radixserve.tokenizer import load_tokenizer
 

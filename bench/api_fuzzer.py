@@ -14,8 +14,10 @@ fields, bodies that are not JSON):
   (``field:<name>+surrogate``), which JSON can spell but schemathesis never generates.
 
 Each case is checked (``response_problems``): no 5xx and no transport error, an answer within
-the timeout (no hang), an OpenAI-shaped error body on every 4xx, a JSON 2xx that parses, a
-complete event stream that ends with ``data: [DONE]``; and after it the server's processes
+the timeout (no hang), a JSON 2xx that parses, and, in the shape of the API the route belongs
+to (``api_shape``), an error body on every 4xx and a complete event stream that ends as that
+API ends its streams (OpenAI's: ``data: [DONE]``; Anthropic's Messages: ``message_stop``;
+OpenAI's Responses: a terminal ``response.*`` event); and after it the server's processes
 (the pids ``/server_info`` gives) are alive.  ``Target.soundness_problems`` checks the server
 once idle: the KV memory invariant holds with no lock left and a plain chat request works.
 """
@@ -44,6 +46,12 @@ BASES: dict[str, dict[str, Any]] = {
     "POST /abort_request": {"rid": "fuzz"},
     "POST /apply_chat_template": {"messages": [{"role": "user", "content": "Hi"}]},
     "POST /cache/pin": {"text": "Hi", "ttl": 1},  # pins that expire: the fuzzing leaves none
+    "POST /v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                          "max_tokens": 2},
+    "POST /v1/messages/count_tokens": {"model": MODEL,
+                                       "messages": [{"role": "user", "content": "Hi"}]},
+    # Not stored unless a case asks: a stored response pins its conversation for minutes.
+    "POST /v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "store": False},
 }
 # Fields that replace others of the base request: (route, field) -> base fields dropped.
 REPLACES = {("POST /generate", "input_ids"): ("text",)}
@@ -71,21 +79,149 @@ def error_body_problems(content: bytes) -> list[str]:
     return problems
 
 
-def response_problems(status: int, content_type: str, content: bytes, cut_short: bool) -> list[str]:
-    """What is wrong with one answer, judged on its own (``cut_short``: the client stopped
-    reading an event stream early)."""
+# The error types of Anthropic's API (its documented list), what its clients map to exceptions.
+ANTHROPIC_ERROR_TYPES = frozenset({
+    "invalid_request_error", "authentication_error", "billing_error", "permission_error",
+    "not_found_error", "request_too_large", "rate_limit_error", "timeout_error", "api_error",
+    "overloaded_error"})
+
+
+def anthropic_error_problems(content: bytes) -> list[str]:
+    """Why ``content`` is not an Anthropic error body, ``{"type": "error", "error": {"type",
+    "message"}}`` (empty when it is one)."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return [f"error body is not JSON: {content[:200]!r}"]
+    if not isinstance(body, dict) or body.get("type") != "error":
+        return [f"error body's type is not 'error' (Anthropic's shape): {content[:200]!r}"]
+    err = body.get("error")
+    if not isinstance(err, dict):
+        return [f"error body has no 'error' object: {content[:200]!r}"]
+    problems = []
+    if err.get("type") not in ANTHROPIC_ERROR_TYPES:
+        problems.append(f"error.type {err.get('type')!r} is none of Anthropic's error types")
+    if not isinstance(err.get("message"), str) or not err["message"]:
+        problems.append("error.message is not a non-empty string")
+    return problems
+
+
+def sse_events(content: bytes) -> list[tuple[str | None, bytes]]:
+    """An event stream's events as ``(event name or None, data)``."""
+    events = []
+    for block in content.replace(b"\r\n", b"\n").split(b"\n\n"):
+        name, data = None, []
+        for line in block.split(b"\n"):
+            if line.startswith(b"event:"):
+                name = line[6:].strip().decode("utf-8", "replace")
+            elif line.startswith(b"data:"):
+                data.append(line[5:].strip())
+        if name is not None or data:
+            events.append((name, b"\n".join(data)))
+    return events
+
+
+def _typed_events(content: bytes) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """The events of a stream whose events each name their type twice (``event:`` and the
+    data's ``type``, as Anthropic's and the Responses API's do), and what is wrong with them."""
+    out, problems = [], []
+    for name, data in sse_events(content):
+        try:
+            body = json.loads(data)
+        except ValueError:
+            problems.append(f"event {name!r} data is not JSON: {data[:200]!r}")
+            continue
+        kind = body.get("type") if isinstance(body, dict) else None
+        if name is None or kind != name:
+            problems.append(f"event name {name!r} and data type {kind!r} differ")
+            continue
+        out.append((name, body))
+    if not out and not problems:
+        problems.append("event stream has no event")
+    return out, problems
+
+
+def openai_stream_problems(content: bytes) -> list[str]:
+    if not content.rstrip().endswith(b"data: [DONE]"):
+        return [f"event stream does not end with [DONE]: ...{content[-200:]!r}"]
+    return []
+
+
+def anthropic_stream_problems(content: bytes) -> list[str]:
+    """An Anthropic stream ends with ``message_stop``, or with an ``error`` event in its
+    error shape (a failure after the stream started)."""
+    events, problems = _typed_events(content)
+    if problems:
+        return problems
+    name, body = events[-1]
+    if name == "error":
+        return anthropic_error_problems(json.dumps(body).encode())
+    if name != "message_stop":
+        return [f"event stream ends with {name!r}, not message_stop: ...{content[-200:]!r}"]
+    return []
+
+
+RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def responses_stream_problems(content: bytes) -> list[str]:
+    """A Responses stream ends with the finished response's terminal event."""
+    events, problems = _typed_events(content)
+    if problems:
+        return problems
+    name, body = events[-1]
+    if name not in RESPONSES_TERMINAL:
+        return [f"event stream ends with {name!r}, none of {sorted(RESPONSES_TERMINAL)}: "
+                f"...{content[-200:]!r}"]
+    if not isinstance(body.get("response"), dict) or "status" not in body["response"]:
+        return [f"{name} carries no response with a status: ...{content[-200:]!r}"]
+    return []
+
+
+@dataclass(frozen=True)
+class ApiShape:
+    """How one API's routes answer an error and end an event stream."""
+
+    name: str
+    error_problems: Callable[[bytes], list[str]]
+    stream_problems: Callable[[bytes], list[str]]
+
+
+OPENAI = ApiShape("OpenAI", error_body_problems, openai_stream_problems)
+ANTHROPIC = ApiShape("Anthropic Messages", anthropic_error_problems, anthropic_stream_problems)
+RESPONSES = ApiShape("OpenAI Responses", error_body_problems, responses_stream_problems)
+# Path prefixes of the routes that are not OpenAI's chat and completions shape.
+# Anthropic's shape on exactly its two routes (as the server chooses it); the Responses API's on
+# /v1/responses and the routes of one response below it.
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+RESPONSES_PREFIX = "/v1/responses"
+
+
+def api_shape(path: str) -> ApiShape:
+    """The API whose shape the answers on ``path`` take."""
+    if path in ANTHROPIC_ROUTES:
+        return ANTHROPIC
+    if path == RESPONSES_PREFIX or path.startswith(RESPONSES_PREFIX + "/"):
+        return RESPONSES
+    return OPENAI
+
+
+def response_problems(status: int, content_type: str, content: bytes, cut_short: bool,
+                      path: str = "") -> list[str]:
+    """What is wrong with one answer on ``path``, judged on its own (``cut_short``: the client
+    stopped reading an event stream early)."""
+    api = api_shape(path)
     if status >= 500:
         return [f"server error {status}: {content[:300]!r}"]
     if 400 <= status < 500:
-        return error_body_problems(content)
+        return [f"{api.name} error shape: {p}" for p in api.error_problems(content)]
     if content_type.startswith("application/json"):
         try:
             json.loads(content)
         except ValueError:
             return [f"{status} JSON body does not parse: {content[:200]!r}"]
-    if content_type.startswith("text/event-stream") and not cut_short \
-            and not content.rstrip().endswith(b"data: [DONE]"):
-        return [f"event stream does not end with [DONE]: ...{content[-200:]!r}"]
+    if content_type.startswith("text/event-stream") and not cut_short:
+        return api.stream_problems(content)
     return []
 
 
@@ -270,7 +406,8 @@ def _send_checked(target: Target, send: Callable[[], tuple[Any, bool, Any]], met
     try:
         response, cut_short, sent = send()
         status = response.status_code
-        problems = response_problems(status, _header(response.headers, "content-type"), response.content, cut_short)
+        problems = response_problems(status, _header(response.headers, "content-type"), response.content, cut_short,
+                                     path)
         if cut_short and time.monotonic() - t0 >= target.timeout:
             # schemathesis stops reading an event stream after some events, or at the timeout
             problems.append(f"event stream still open after {target.timeout} s (hang)")

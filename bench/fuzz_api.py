@@ -4,9 +4,10 @@ Every documented route gets cases generated from its schema, schema-conforming a
 schema-violating, and every top-level field of a JSON body gets cases of its own on an
 otherwise valid request, also sent with a lone surrogate in its strings (see
 ``bench/api_fuzzer.py``).  Each case is sent to a real ``radixserve serve`` process and
-checked: no 5xx, no hang (``--timeout``), no process death, an OpenAI-shaped error body on
-every 4xx; after each route the server, once idle, keeps its KV memory invariant with no
-lock left and still answers a chat request.
+checked: no 5xx, no hang (``--timeout``), no process death, an error body on every 4xx and
+a complete event stream in the shape of the route's API (OpenAI's; Anthropic's on
+``/v1/messages``; the Responses API's on ``/v1/responses``); after each route the server,
+once idle, keeps its KV memory invariant with no lock left and still answers a chat request.
 
 Cases are seeded (``--seed``): the same seed sends the same requests.  Without ``--base-url``
 the benchmark serves the tiny random chat model the end-to-end tests use (the default
@@ -43,6 +44,12 @@ ROUTE_WEIGHTS = {
     "POST /abort_request": 1,
     "POST /apply_chat_template": 1,
     "POST /cache/pin": 1,
+    "POST /v1/messages": 3,
+    "POST /v1/messages/count_tokens": 1,
+    "POST /v1/responses": 3,
+    "GET /v1/responses/{response_id}": 1,
+    "DELETE /v1/responses/{response_id}": 1,
+    "POST /v1/responses/{response_id}/cancel": 1,
 }
 SERVER_FLAGS = ("--max-total-tokens", "8192", "--context-length", "256")
 # One torch thread: the tiny model gains nothing from more, and on a shared machine a second

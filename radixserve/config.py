@@ -95,7 +95,8 @@ class ServerArgs:
         "cannot be admitted")
     radix_eviction_policy: str = setting(
         "lru",
-        "prefix-cache eviction: lru, lfu, or slru (a prefix hit twice outlives one-off prompts)")
+        "prefix-cache eviction: lru, lfu, or slru (a prefix a second request reused outlives "
+        "one-off prompts)")
     max_pinned_fraction: float = setting(
         0.5,
         "share of the KV pool that pinned prefixes (POST /cache/pin) may hold")
@@ -227,6 +228,17 @@ class ServerArgs:
     slow_reader_timeout: float = setting(
         30.0,
         "seconds a stream's reader may stay behind before the request is cut off")
+    response_store_size: int = setting(
+        1024,
+        "stored Responses (POST /v1/responses with store) kept in memory for "
+        "previous_response_id and GET; the oldest go first (0 stores none)")
+    response_store_bytes: int = setting(
+        64 * 1024 * 1024,
+        "bytes of stored Responses kept in memory; the oldest go first past it")
+    response_pin_ttl: float = setting(
+        600.0,
+        "seconds a stored Response's conversation stays pinned in the radix cache, so that "
+        "the next turn (after a tool call) is a cache hit under memory pressure (0: no pin)")
     def __post_init__(self) -> None:
         check_choices_and_sizes(self)  # radixserve/settings/checks.py
         check_features(self)

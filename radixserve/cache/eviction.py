@@ -3,12 +3,14 @@
 Eviction pops the unlocked, unpinned leaf of lowest priority from a heap (O(log n) each):
   ``lru``   ``(last_access,)``: least recently used first
   ``lfu``   ``(hits, last_access)``: least often hit first, LRU among equals
-  ``slru``  ``(hits >= 2, last_access)``: segmented LRU, scan resistant.  A prefix hit fewer
-            than twice (a one-off prompt) is *probationary* and goes before any *protected*
-            one (hit at least twice, e.g. a system prompt every agent sends); LRU within each
-            segment.
-``hits`` counts admissions that reused the node (:meth:`record_hit`), not lookups.  The heap
-uses lazy deletion: an entry ``(priority, node_id, node)`` is valid only while the node is
+  ``slru``  ``(hits >= 1, last_access)``: segmented LRU, scan resistant.  A prefix enters
+            the tree *probationary* (its first use, the request that computed it) and is
+            promoted to *protected* by its second use, the first admission that reuses it
+            (e.g. a system prompt an agent sent twice); every probationary leaf goes before
+            any protected one, LRU within each segment.
+``hits`` counts admissions that reused the node (:meth:`record_hit`), not lookups: the request
+that inserted a node is its first use and no hit, so ``hits`` is the number of uses minus one.
+The heap uses lazy deletion: an entry ``(priority, node_id, node)`` is valid only while the node is
 still in the tree, is a leaf, is unlocked and still has that priority; everything else is
 skipped when popped. A fresh entry is pushed whenever a node becomes an evictable leaf or an
 evictable leaf's priority changes. The heap is compacted when stale entries outnumber nodes.
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from radixserve.cache.tree_node import TreeNode
 
 EVICTION_POLICIES = ("lru", "lfu", "slru")
-SLRU_PROTECT_HITS = 2  # hits after which an slru entry is protected
+SLRU_PROTECT_HITS = 1  # reuses that promote an slru entry: its second use protects it
 
 
 def priority_function(policy: str) -> Callable[[TreeNode], tuple[int, ...]]:

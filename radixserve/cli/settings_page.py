@@ -38,7 +38,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HTTP server", (
         "host", "port", "served_model_name", "api_key", "max_queued_requests",
         "max_request_body_bytes", "cors_allow_origins", "slow_reader_timeout", "startup_timeout",
-        "log_level")),
+        "log_level", "response_store_size", "response_store_bytes", "response_pin_ttl")),
     ("Scale-out", (
         "tp_size", "grpc_port", "kv_events_config", "disaggregation_mode",
         "disaggregation_bootstrap_port", "disaggregation_transfer_backend",

@@ -9,6 +9,8 @@ a pin beyond it is a 400 that says so.
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Request
 
 from radixserve.chat.messages import ApplyChatTemplateRequest
@@ -19,6 +21,7 @@ from radixserve.frontend.native_protocol import CachePinRequest
 from radixserve.frontend.state import ServerState
 from radixserve.runtime.tokenizer_manager import InvalidRequestError, SchedulingHints
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -67,3 +70,18 @@ async def unpin(body: CachePinRequest, request: Request) -> JSONBytesResponse:
     if not result.get("unpinned"):
         raise APIError("no pin matches", 404, param="pin_id" if body.pin_id is not None else None)
     return JSONBytesResponse({"success": True, "unpinned": result["unpinned"]})
+
+
+async def keep_warm(st: ServerState, ids: list[int], namespace: str, ttl: float) -> bool:
+    """Pin the cached path of ``ids`` for ``ttl`` seconds, replacing the pins of exactly
+    these ids that an earlier call made (so a prefix that every turn marks holds one pin
+    whose TTL restarts).  The other APIs' cache hints (Anthropic's ``cache_control``, stored
+    Responses) use it; a pin refused (the cap, nothing cached) is logged and is no error:
+    the hint is best effort, as in the APIs that define it."""
+    await st.tm.control("unpin", input_ids=ids, extra_key=namespace)
+    try:
+        await st.tm.pin(ids, SchedulingHints(namespace, pin_ttl=ttl))
+    except InvalidRequestError as e:
+        logger.info("a cache hint's pin of %d tokens was not made: %s", len(ids), e)
+        return False
+    return True

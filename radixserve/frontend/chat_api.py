@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 
 from radixserve.chat.parsers import (
     Delta,
@@ -39,7 +40,7 @@ from radixserve.chat.render import (
     template_kwargs,
     tool_parser,
 )
-from radixserve.frontend.errors import APIError
+from radixserve.frontend.errors import APIError, describe_validation
 from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.openai_common import (
     choice_rids,
@@ -56,6 +57,7 @@ from radixserve.frontend.state import ServerState, collect
 from radixserve.ipc.messages import CacheReport
 from radixserve.runtime.pieces import Piece, RequestMeta, merge
 from radixserve.sampling import SamplingParams
+from radixserve.validation import is_text
 
 router = APIRouter()
 
@@ -160,14 +162,14 @@ def _finish_reason(meta: RequestMeta, has_calls: bool) -> str | None:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     st = server_state(request)
     st.check_model(body.model)
-    call = _prepare_chat(st, body)
+    call = prepare_chat(st, body)
     if not body.stream:
         return await _chat_response(call, request)
     return await start_stream(_chat_chunks(call))
 
 
 @dataclass
-class _ChatCall:
+class ChatCall:
     """One chat request, rendered and validated: what its choices generate from."""
 
     st: ServerState
@@ -191,9 +193,19 @@ class _ChatCall:
         return chunk_event(head, choices, self.body.include_usage, usage)
 
 
-def _prepare_chat(st: ServerState, body: ChatCompletionRequest) -> _ChatCall:
-    """Plan the tools, render the prompt with the chat template, set up the output parsing,
-    validate the sampling values; APIError (400) naming the field at fault."""
+@dataclass
+class _Rendered:
+    """A chat request's prompt text and what rendering it decided."""
+
+    prompt: str
+    plan: ToolPlan
+    fmt: ToolFormat
+    thinking: bool
+
+
+def _render(st: ServerState, body: ChatCompletionRequest) -> _Rendered:
+    """Plan the tools and render the prompt with the chat template; APIError (400) naming the
+    field at fault."""
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     except ToolRequestError as e:
@@ -207,21 +219,93 @@ def _prepare_chat(st: ServerState, body: ChatCompletionRequest) -> _ChatCall:
                              continue_final_message=body.continue_final_message, kwargs=kwargs)
     except ChatTemplateError as e:
         raise APIError(str(e), 400, param=e.param) from e
-    thinking = kwargs.get("enable_thinking") is not False
+    return _Rendered(prompt, plan, fmt, kwargs.get("enable_thinking") is not False)
+
+
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """Another API's request converted to chat fields, validated as ``/v1/chat/completions``
+    validates its body (APIError 400 naming the chat field at fault)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        message, param = describe_validation(e.errors())
+        raise APIError(message, 400, param=param) from None
+
+
+def prompt_ids(st: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The token ids of the prompt the chat route renders for ``body``, whatever its length
+    (nothing is generated from them: counting is no request to the model)."""
+    prompt = _render(st, body).prompt
+    if not is_text(prompt):
+        raise APIError("the messages are not valid Unicode text (they hold a lone surrogate)",
+                       400, param="messages")
+    return st.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+@dataclass(frozen=True)
+class KnownPrefix:
+    """Token ids the model already holds for the start of a conversation (an earlier turn's
+    prompt and generated answer) and the text they decode to."""
+
+    ids: list[int]
+    text: str
+
+
+def known_prefix(st: ServerState, ids: list[int]) -> KnownPrefix:
+    return KnownPrefix(ids, _decode(st, ids))
+
+
+def _decode(st: ServerState, ids: list[int]) -> str:
+    return st.tokenizer.decode(ids, skip_special_tokens=False,
+                               clean_up_tokenization_spaces=False)
+
+
+def _reused_ids(st: ServerState, prompt: str, known: KnownPrefix) -> list[int] | None:
+    """``prompt``'s token ids starting with the longest run of ``known.ids`` whose text
+    starts ``prompt`` (the rest tokenized as usual), or None when not even the first token's
+    does, or when the ids do not decode to ``prompt`` (a tokenizer whose decoding of a prefix
+    is not a prefix of the text).  The generated ids are what the radix tree holds;
+    re-tokenizing their text may merge or split tokens differently and miss the cache from
+    there on."""
+    ids, text = known.ids, known.text
+    if not prompt.startswith(text):  # the template rendered the answer otherwise: search
+        lo, hi = 0, len(ids)  # the longest n with decode(ids[:n]) a prefix of prompt
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prompt.startswith(_decode(st, ids[:mid])):
+                lo = mid
+            else:
+                hi = mid - 1
+        ids, text = ids[:lo], _decode(st, ids[:lo])
+        if not ids or not prompt.startswith(text):
+            return None
+    rest = prompt[len(text):]
+    out = ids + (st.tokenizer.encode(rest, add_special_tokens=False) if rest else [])
+    return out if _decode(st, out) == prompt else None
+
+
+def prepare_chat(st: ServerState, body: ChatCompletionRequest,
+                 known: KnownPrefix | None = None) -> ChatCall:
+    """Plan the tools, render the prompt with the chat template, set up the output parsing,
+    validate the sampling values; APIError (400) naming the field at fault.  With ``known``,
+    the prompt's ids start with as many of its ids as render the prompt's start."""
+    r = _render(st, body)
     spec = ParseSpec(
-        tool_format=fmt if plan.parses else None,
-        tool_names=frozenset(plan.names) if plan.parses else None,
-        max_calls=None if plan.parallel else 1,
+        tool_format=r.fmt if r.plan.parses else None,
+        tool_names=frozenset(r.plan.names) if r.plan.parses else None,
+        max_calls=None if r.plan.parallel else 1,
         reasoning_parser=st.args.reasoning_parser if body.separate_reasoning else None,
-        prompt_opened=prompt_opens_reasoning(prompt),
-        thinking=thinking,
+        prompt_opened=prompt_opens_reasoning(r.prompt),
+        thinking=r.thinking,
     )
-    sampling = _sampling(st, body, plan, fmt, prompt, thinking)
-    ids, params = st.prepare(prompt, None, sampling, check_total=True, prompt_param="messages")
-    return _ChatCall(st, body, ids, params_per_choice(params, body.n), spec)
+    sampling = _sampling(st, body, r.plan, r.fmt, r.prompt, r.thinking)
+    reused = _reused_ids(st, r.prompt, known) if known is not None and is_text(r.prompt) else None
+    prompt, given = (None, reused) if reused is not None else (r.prompt, None)
+    ids, params = st.prepare(prompt, given, sampling, check_total=True, prompt_param="messages")
+    return ChatCall(st, body, ids, params_per_choice(params, body.n), spec)
 
 
-async def _chat_response(call: _ChatCall, request: Request) -> JSONBytesResponse:
+async def _chat_response(call: ChatCall, request: Request) -> JSONBytesResponse:
     st, body = call.st, call.body
     results = await asyncio.gather(*[collect(s, request) for s in call.streams(False)])
     merged = [merge(r) for r in results]
@@ -242,7 +326,7 @@ async def _chat_response(call: _ChatCall, request: Request) -> JSONBytesResponse
                               "model": st.model_name, "choices": choices, "usage": usage})
 
 
-async def _chat_chunks(call: _ChatCall) -> AsyncIterator[bytes]:
+async def _chat_chunks(call: ChatCall) -> AsyncIterator[bytes]:
     st, body, spec, chunk = call.st, call.body, call.spec, call.chunk
     n = len(call.choice_params)
     parsers = [spec.new_parser() for _ in range(n)]

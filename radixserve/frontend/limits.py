@@ -32,7 +32,7 @@ from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.frontend.errors import error_body
+from radixserve.frontend.errors import ANTHROPIC_PATHS, error_payload
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other
 MAX_HEADER_BYTES = 32 * 1024  # names + values of all headers
@@ -43,14 +43,16 @@ MAX_INCOMPLETE_HEAD_BYTES = 2 * MAX_HEADER_BYTES
 RETRY_AFTER_S = 1
 # answered without an API key (the page holds no data)
 OPEN_PATHS = frozenset({"/health", "/cache"})
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate",
+                              "/v1/messages", "/v1/responses"})
 _DEPTH_CHUNK = 1 << 20  # brackets summed per numpy step: bounded temporary memory
 
 
 async def refuse(send: Send, status: int, message: str, headers: Iterable[tuple[str, str]] = (),
-                 close: bool = True) -> None:
-    """Answer ``status`` with an OpenAI-style error body; ``close`` when the body is unread."""
-    body = orjson.dumps(error_body(message, status))
+                 close: bool = True, path: str = "") -> None:
+    """Answer ``status`` with an error body in the shape of ``path``'s API (OpenAI's, or
+    Anthropic's on its routes); ``close`` when the body is unread."""
+    body = orjson.dumps(error_payload(path, message, status))
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in headers]
     if close:
@@ -79,13 +81,20 @@ class ApiKeyAuth:
         scheme, _, token = (authorization or b"").strip().partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
+    def allows_anthropic(self, scope: Scope) -> bool:
+        """Anthropic's clients send the key as ``x-api-key``; accepted on its routes only."""
+        key = _header(scope, b"x-api-key")
+        return (key is not None and scope["path"] in ANTHROPIC_PATHS
+                and hmac.compare_digest(key.strip(), self.key))
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
-        elif not self.allows(_header(scope, b"authorization")):
+        elif not (self.allows(_header(scope, b"authorization"))
+                  or self.allows_anthropic(scope)):
             await refuse(send, 401,
                          "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                         [("www-authenticate", "Bearer")])
+                         [("www-authenticate", "Bearer")], path=scope["path"])
         else:
             await self.app(scope, receive, send)
 
@@ -111,29 +120,30 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
         problem = self._header_problem(scope["headers"])
         if problem:
-            await refuse(send, 431, problem)
+            await refuse(send, 431, problem, path=path)
             return
         length = _header(scope, b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
-            await refuse(send, 413, self._too_large(f"{int(length)} bytes"))
+            await refuse(send, 413, self._too_large(f"{int(length)} bytes"), path=path)
             return
         gated = (self.max_in_flight is not None and scope["method"] == "POST"
                  and scope["path"] in GENERATION_PATHS)
         if gated and self._full():
-            await self._refuse_busy(send, close=True)
+            await self._refuse_busy(send, close=True, path=path)
             return
-        body = await self._read_body(receive, send)
+        body = await self._read_body(receive, send, path)
         if body is None:
             return
         if (body and _is_json(_header(scope, b"content-type"))
                 and json_depth_exceeds(body, self.max_json_depth)):
             await refuse(send, 400, f"the request body nests arrays and objects more than "
-                                    f"{self.max_json_depth} levels deep", close=False)
+                                    f"{self.max_json_depth} levels deep", close=False, path=path)
             return
         if gated and self._full():
-            await self._refuse_busy(send, close=False)
+            await self._refuse_busy(send, close=False, path=path)
             return
         replayed = False
 
@@ -154,7 +164,7 @@ class RequestLimits:
             if gated:
                 self.in_flight -= 1
 
-    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
+    async def _read_body(self, receive: Receive, send: Send, path: str) -> bytes | None:
         """The whole body, or None once answered 413 (the rest left unread) or when the
         client left before sending all of it (nobody to answer)."""
         chunks: list[bytes] = []
@@ -167,7 +177,8 @@ class RequestLimits:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await refuse(send, 413, self._too_large(f"more than {self.max_body_bytes} bytes"))
+                await refuse(send, 413, self._too_large(f"more than {self.max_body_bytes} bytes"),
+                             path=path)
                 return None
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -176,10 +187,10 @@ class RequestLimits:
     def _full(self) -> bool:
         return self.max_in_flight is not None and self.in_flight >= self.max_in_flight
 
-    async def _refuse_busy(self, send: Send, close: bool) -> None:
+    async def _refuse_busy(self, send: Send, close: bool, path: str) -> None:
         await refuse(send, 503, f"the request queue is full ({self.in_flight} requests in flight, "
                                 "the most this server accepts); retry later",
-                     [("retry-after", str(RETRY_AFTER_S))], close=close)
+                     [("retry-after", str(RETRY_AFTER_S))], close=close, path=path)
 
     def _header_problem(self, headers: list[tuple[bytes, bytes]]) -> str | None:
         if len(headers) > MAX_HEADER_COUNT:

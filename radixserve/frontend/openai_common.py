@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -104,22 +104,29 @@ async def fan_in(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int
             t.cancel()
 
 
-def stream_error_event(e: Exception) -> bytes:
-    """The SSE event that ends a stream which failed after it started: OpenAI's shape
-    (``{"error": {message, type, param, code}}``, which the ``openai`` client raises as
-    ``APIError``).  Logged here: the client may not be there to read it."""
+def stream_failure(e: Exception) -> tuple[str, int]:
+    """What to tell the reader of a stream that failed after it started: the message and the
+    HTTP status it would have had.  Logged here: the client may not be there to read it."""
     if isinstance(e, RequestError):
-        message, status = str(e), e.status
-        logger.warning("a stream ended with an error (%d): %s", status, message)
-    else:
-        message, status = f"internal error: {e!r}", 500
-        logger.error("a stream ended with an internal error", exc_info=e)
-    return sse_event({"error": error_body(message, status)["error"]})
+        logger.warning("a stream ended with an error (%d): %s", e.status, e)
+        return str(e), e.status
+    logger.error("a stream ended with an internal error", exc_info=e)
+    return f"internal error: {e!r}", 500
 
 
-async def guarded_stream(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``first``, then ``rest``; an error after the stream started ends it with an error
-    event and ``[DONE]`` instead of a connection broken mid-chunk.  However it ends (client
+def stream_error_events(e: Exception) -> list[bytes]:
+    """The events that end a stream which failed after it started: OpenAI's shape
+    (``{"error": {message, type, param, code}}``, which the ``openai`` client raises as
+    ``APIError``), then ``[DONE]``."""
+    message, status = stream_failure(e)
+    return [sse_event({"error": error_body(message, status)["error"]}), SSE_DONE]
+
+
+async def guarded_stream(first: bytes, rest: AsyncIterator[bytes],
+                         on_error: Callable[[Exception], list[bytes]] = stream_error_events
+                         ) -> AsyncIterator[bytes]:
+    """``first``, then ``rest``; an error after the stream started ends it with
+    ``on_error``'s events instead of a connection broken mid-chunk.  However it ends (client
     gone included), ``rest`` is closed, which aborts its requests still running."""
     try:
         yield first
@@ -127,19 +134,21 @@ async def guarded_stream(first: bytes, rest: AsyncIterator[bytes]) -> AsyncItera
             async for chunk in rest:
                 yield chunk
         except Exception as e:  # not CancelledError: a client gone just stops
-            yield stream_error_event(e)
-            yield SSE_DONE
+            for event in on_error(e):
+                yield event
     finally:
         aclose = getattr(rest, "aclose", None)
         if aclose is not None:
             await aclose()
 
 
-async def start_stream(gen: AsyncIterator[bytes]) -> StreamingResponse:
+async def start_stream(gen: AsyncIterator[bytes],
+                       on_error: Callable[[Exception], list[bytes]] = stream_error_events
+                       ) -> StreamingResponse:
     """Run the generator to its first chunk before answering, so errors keep their status."""
     it = gen.__aiter__()
     first = await it.__anext__()
-    return StreamingResponse(guarded_stream(first, it), media_type="text/event-stream")
+    return StreamingResponse(guarded_stream(first, it, on_error), media_type="text/event-stream")
 
 
 def token_text(st: ServerState, tok: int) -> str:

@@ -26,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from radixserve.config import ServerArgs
+from radixserve.frontend.anthropic_api import router as anthropic_router
 from radixserve.frontend.cache_api import router as cache_router
 from radixserve.frontend.cache_views import router as cache_views_router
 from radixserve.frontend.chat_api import router as chat_router
@@ -34,6 +35,7 @@ from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.limits import MAX_INCOMPLETE_HEAD_BYTES, install_limits
 from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
+from radixserve.frontend.responses_api import router as responses_router
 from radixserve.frontend.state import ServerState
 from radixserve.ipc.messages import ModelInfo
 from radixserve.logging_utils import configure_logging
@@ -76,6 +78,8 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: ModelInfo,
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(chat_router)
+    app.include_router(anthropic_router)
+    app.include_router(responses_router)
     app.include_router(native_router)
     app.include_router(cache_router)
     app.include_router(cache_views_router)

@@ -18,6 +18,7 @@ from radixserve.config import ServerArgs
 from radixserve.frontend.errors import APIError, ClientGone
 from radixserve.frontend.loads import ThroughputWindow
 from radixserve.frontend.metrics import Metrics
+from radixserve.frontend.response_store import ResponseStore
 from radixserve.ipc.messages import ModelInfo
 from radixserve.runtime.client import RuntimeClient
 from radixserve.runtime.pieces import Piece
@@ -67,6 +68,12 @@ class ServerState:
     inflight_tokens: int = 0
     # /v1/loads' gen_throughput
     gen_rate: ThroughputWindow = field(default_factory=ThroughputWindow)
+    # stored Responses (/v1/responses), sized by the settings
+    responses: ResponseStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.args.response_store_size,
+                                       self.args.response_store_bytes)
 
     @property
     def tm(self) -> TokenizerManager:

@@ -63,6 +63,10 @@ def check_choices_and_sizes(args: Any) -> None:
         raise ValueError("max_request_body_bytes must be >= 1024")
     if args.slow_reader_timeout <= 0:
         raise ValueError("slow_reader_timeout must be > 0")
+    if args.response_store_size < 0 or args.response_store_bytes < 0:
+        raise ValueError("response_store_size and response_store_bytes must be >= 0")
+    if not 0 <= args.response_pin_ttl < 1e9:
+        raise ValueError("response_pin_ttl must be >= 0 seconds (and < 1e9)")
     if args.max_prefill_tokens < 1:
         raise ValueError("max_prefill_tokens must be >= 1")
     if args.chunked_prefill_size is not None and (

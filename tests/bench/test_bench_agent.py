@@ -94,3 +94,31 @@ def test_json_workload_turns_carry_a_record_to_echo(default_model_path) -> None:
     assert all(r["status"] == "open" and '"status" set to "in_progress"' in u for r, u in zip(records, users, strict=True))
     assert len({r["id"] for r in records}) == 3
     assert agent.conversation(tokenizer, args)[1] == users  # the same seed, the same turns
+
+
+def test_flood_mode_keeps_the_stored_conversation_cached(tmp_path) -> None:
+    """bench/agent_http.py --flood --quick against real servers: the Responses loop (stored,
+    pinned conversation) finds every earlier turn in the cache after a flood that evicts the
+    chat loop's resent, unpinned conversation."""
+    from bench import agent_http
+
+    out = tmp_path / "agent_http_flood.json"
+    report = agent_http.main(["--flood", "--quick", "--servers", "float32", "--out", str(out)])
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(report["results"]))
+    assert report["params"]["flood_prompts"] * report["params"]["flood_len"] > report["params"]["pool_tokens"]
+    rows = {r["api"]: r for r in report["results"]}
+    assert set(rows) == {"responses", "chat"} and all(r["server"] == "float32" for r in rows.values())
+    responses, chat = rows["responses"], rows["chat"]
+    for r in rows.values():
+        assert len(r["prompt_tokens"]) == len(r["cached_tokens"]) == len(r["ttft_ms"]) == 2
+        assert r["cached_fraction"] == [c / p for c, p in zip(r["cached_tokens"], r["prompt_tokens"], strict=True)]
+        assert r["flood_s"] > 0 and 1 <= r["completion_tokens"][0] <= 8
+    # Both loops ask the same greedy conversation: the same prompts.
+    assert responses["prompt_tokens"] == chat["prompt_tokens"]
+    assert responses["prompt_tokens"][1] > responses["prompt_tokens"][0] > 100
+    # The stored conversation is pinned, its answer included: turn 2 reads turn 1's whole prompt
+    # and the start of its answer from the cache (the rest of the answer re-tokenizes otherwise).
+    assert responses["cached_tokens"][1] > responses["prompt_tokens"][0]
+    # The flood evicted the chat loop's conversation.
+    assert chat["cached_fraction"][1] < responses["cached_fraction"][1]
+    assert chat["cached_tokens"][1] < chat["prompt_tokens"][0] // 2

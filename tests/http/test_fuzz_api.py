@@ -2,7 +2,9 @@
 every documented top-level body field of a real server (the long run is
 ``bench/fuzz_api.py``; both drive ``bench/api_fuzzer.py``).
 
-Every case: no 5xx, no hang, no process death, an OpenAI-shaped error body on every 4xx;
+Every case: no 5xx, no hang, no process death, an error body on every 4xx and a complete
+event stream, each in the shape of the route's API (OpenAI's; Anthropic's on /v1/messages; the
+Responses API's on /v1/responses);
 after each route and after the run: the memory invariant holds once idle, and a chat request
 is answered.  The 96-token context bounds every generation, whatever ``max_tokens`` asks.
 """
@@ -24,9 +26,11 @@ if str(REPO) not in sys.path:
 from bench.api_fuzzer import (  # noqa: E402
     BASES,
     Target,
+    anthropic_error_problems,
     error_body_problems,
     fuzz,
     response_problems,
+    responses_stream_problems,
     summary,
 )
 from bench.fuzz_api import ROUTE_WEIGHTS, SERVER_ENV  # noqa: E402
@@ -38,7 +42,10 @@ ROUTES = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions",
           "POST /flush_cache", "POST /abort_request", "GET /metrics", "GET /get_model_info", "GET /model_info", "GET /get_load",
           "GET /v1/loads",
           "POST /apply_chat_template", "POST /concate_and_append_request", "POST /cache/pin",
-          "POST /cache/unpin", "GET /cache/tree", "GET /cache/misses"}
+          "POST /cache/unpin", "GET /cache/tree", "GET /cache/misses",
+          "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
+          "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+          "POST /v1/responses/{response_id}/cancel"}
 
 
 @pytest.fixture(scope="module")
@@ -91,29 +98,88 @@ def test_server_is_sound_after_every_route(results) -> None:
 
 
 OPENAI_ERROR = b'{"object":"error","error":{"message":"bad","type":"invalid_request_error","param":null,"code":400}}'
+ANTHROPIC_ERROR = b'{"type":"error","error":{"type":"invalid_request_error","message":"bad"}}'
 
 
-@pytest.mark.parametrize("status, content_type, body, cut, fragment", [
-    (500, "application/json", OPENAI_ERROR, False, "server error 500"),
-    (503, "application/json", b"{}", False, "server error 503"),
-    (400, "application/json", b'{"detail": "bad"}', False, "no 'error' object"),
-    (422, "application/json", b"not json", False, "not JSON"),
-    (400, "application/json", b'{"error": {"message": "", "type": "x", "param": null, "code": 400}}', False, "message"),
-    (400, "application/json", b'{"error": {"message": "m", "type": "x", "code": 400}}', False, "'param'"),
-    (200, "application/json", b'{"id": ', False, "does not parse"),
-    (200, "text/event-stream", b"data: {}\n\n", False, "[DONE]"),
+def _sse(*events: tuple[str, dict[str, Any]]) -> bytes:
+    import json
+
+    return b"".join(f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
+                    for name, data in events)
+
+
+MESSAGES_STREAM = _sse(("message_start", {"message": {}}), ("message_delta", {"delta": {}}),
+                       ("message_stop", {}))
+RESPONSES_STREAM = _sse(("response.created", {"response": {"status": "in_progress"}}),
+                        ("response.completed", {"response": {"status": "completed"}}))
+
+
+@pytest.mark.parametrize("status, content_type, body, cut, path, fragment", [
+    (500, "application/json", OPENAI_ERROR, False, "", "server error 500"),
+    (503, "application/json", b"{}", False, "", "server error 503"),
+    (400, "application/json", b'{"detail": "bad"}', False, "", "no 'error' object"),
+    (422, "application/json", b"not json", False, "", "not JSON"),
+    (400, "application/json", b'{"error": {"message": "", "type": "x", "param": null, "code": 400}}', False, "",
+     "message"),
+    (400, "application/json", b'{"error": {"message": "m", "type": "x", "code": 400}}', False, "", "'param'"),
+    (200, "application/json", b'{"id": ', False, "", "does not parse"),
+    (200, "text/event-stream", b"data: {}\n\n", False, "", "[DONE]"),
+    # Each API's own shape, and another API's shape on its routes
+    (400, "application/json", OPENAI_ERROR, False, "/v1/messages", "Anthropic"),
+    (404, "application/json", ANTHROPIC_ERROR, False, "/v1/responses/resp_1", "'param'"),
+    (400, "application/json", b'{"type":"error","error":{"type":"oops","message":"m"}}', False,
+     "/v1/messages", "error types"),
+    (400, "application/json", b'{"type":"error","error":{"type":"api_error","message":""}}', False,
+     "/v1/messages/count_tokens", "message"),
+    (200, "text/event-stream", MESSAGES_STREAM + b"data: [DONE]\n\n", False, "/v1/messages", "not JSON"),
+    (200, "text/event-stream", MESSAGES_STREAM[:-len(_sse(("message_stop", {})))], False, "/v1/messages",
+     "message_stop"),
+    (200, "text/event-stream", RESPONSES_STREAM, False, "/v1/messages", "message_stop"),
+    (200, "text/event-stream", _sse(("error", {"error": {"message": "m"}})), False, "/v1/messages", "error types"),
+    (200, "text/event-stream", b"data: {}\n\ndata: [DONE]\n\n", False, "/v1/responses", "differ"),
+    (200, "text/event-stream", RESPONSES_STREAM[:RESPONSES_STREAM.index(b"event: response.completed")], False,
+     "/v1/responses", "ends with 'response.created'"),
+    (200, "text/event-stream", _sse(("response.completed", {})), False, "/v1/responses", "status"),
+    (200, "text/event-stream", MESSAGES_STREAM, False, "/v1/chat/completions", "[DONE]"),
 ])
-def test_checks_catch_bad_answers(status: int, content_type: str, body: bytes, cut: bool, fragment: str) -> None:
-    problems = response_problems(status, content_type, body, cut)
+def test_checks_catch_bad_answers(status: int, content_type: str, body: bytes, cut: bool, path: str,
+                                  fragment: str) -> None:
+    problems = response_problems(status, content_type, body, cut, path)
     assert problems and fragment in " ".join(problems), problems
 
 
 def test_checks_pass_good_answers() -> None:
     assert error_body_problems(OPENAI_ERROR) == []
+    assert anthropic_error_problems(ANTHROPIC_ERROR) == []
     assert response_problems(400, "application/json", OPENAI_ERROR, False) == []
+    assert response_problems(400, "application/json", OPENAI_ERROR, False, "/v1/responses") == []
+    assert response_problems(401, "application/json", ANTHROPIC_ERROR, False, "/v1/messages/count_tokens") == []
     assert response_problems(200, "text/event-stream", b"data: {}\n\ndata: [DONE]\n\n", False) == []
     assert response_problems(200, "text/event-stream", b"data: {}\n\n", True) == []  # the client stopped
     assert response_problems(200, "text/plain", b"# metrics", False) == []
+    assert response_problems(200, "text/event-stream", MESSAGES_STREAM, False, "/v1/messages") == []
+    failed = _sse(("message_start", {"message": {}}), ("error", {"error": {"type": "api_error", "message": "m"}}))
+    assert response_problems(200, "text/event-stream", failed, False, "/v1/messages") == []
+    assert response_problems(200, "text/event-stream", RESPONSES_STREAM, False, "/v1/responses") == []
+    # /v1/messagesfoo is no route of Anthropic's API
+    assert response_problems(400, "application/json", OPENAI_ERROR, False, "/v1/messagesfoo") == []
+
+
+def test_responses_stream_failure_ends_as_the_responses_api_ends_a_stream() -> None:
+    """A Responses stream that fails after it started ends with ``error`` and
+    ``response.failed`` (once it ended with the chat route's error chunk and ``[DONE]``)."""
+    from types import SimpleNamespace
+
+    from radixserve.frontend.response_items import ItemStream
+    from radixserve.frontend.responses_api import _failure_events
+    from radixserve.runtime.tokenizer_manager import RequestError
+
+    items = ItemStream(None)
+    call = SimpleNamespace(response=lambda status, output: {"id": "resp_1", "status": status, "output": output})
+    head = items.event("response.created", response=call.response("in_progress", []))
+    events = _failure_events(call, items)(RequestError("the grammar does not compile", 400))
+    assert responses_stream_problems(head + b"".join(events)) == []
+    assert b'"code":"invalid_prompt"' in events[0] and b'"status":"failed"' in events[1]
 
 
 # ---------------------------------------------------------------- what the fuzzing found
@@ -149,6 +215,19 @@ def test_found_by_fuzzing_answered_400_naming_the_field(server, name, route, bod
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and fragment in err["message"], err
+
+
+def test_responses_stream_refused_by_the_runtime_keeps_its_status(server) -> None:
+    """A grammar that does not compile is refused when generation starts: the Responses stream
+    waits for it, so the refusal is a 400 (it was a 200 stream ending in the chat route's error
+    chunk and ``[DONE]``)."""
+    import httpx
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2, "stream": True, "store": False,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+    r = httpx.post(server.base_url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400 and "json_schema" in r.json()["error"]["message"], r.text
 
 
 def test_infinite_penalty_is_refused_naming_the_field(server) -> None:
@@ -203,3 +282,14 @@ def test_surrogate_pairs_are_text(server) -> None:
     r = httpx.post(server.base_url + "/v1/completions", content=body, headers={"Content-Type": "application/json"},
                    timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_the_fuzzer_judges_each_path_in_the_shape_the_server_answers_it() -> None:
+    """Anthropic's shape on exactly its two routes, as the server chooses it; a path that only
+    starts like them is OpenAI's 404."""
+    from bench.api_fuzzer import ANTHROPIC, OPENAI, RESPONSES, api_shape
+
+    assert api_shape("/v1/messages") is api_shape("/v1/messages/count_tokens") is ANTHROPIC
+    assert api_shape("/v1/messagesX") is api_shape("/v1/messages/batches") is OPENAI
+    assert api_shape("/v1/responses") is api_shape("/v1/responses/resp_1/cancel") is RESPONSES
+    assert api_shape("/v1/responsesX") is api_shape("/v1/chat/completions") is OPENAI

@@ -15,6 +15,7 @@ import shutil
 import jsonschema
 import openai
 import pytest
+from helpers.chat_templates import THINKING_TEMPLATE, use_chat_template
 from helpers.server import memory_checked_after_each_test, openai_client, serving, tiny_chat_server
 from helpers.tool_schemas import SCHEMAS
 
@@ -25,13 +26,6 @@ ASK = [{"role": "system", "content": "You are a travel assistant."},
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 # A Qwen3-style template that opens <think> in the prompt unless enable_thinking is false.
-THINKING_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}"
-)
-
 
 FLAGS = ("--max-total-tokens", "20000", "--context-length", "1024")
 server = tiny_chat_server(*FLAGS)
@@ -47,14 +41,7 @@ def thinking_server(tiny_chat_model, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("thinking"))
     for name in os.listdir(tiny_chat_model):
         shutil.copy(os.path.join(tiny_chat_model, name), folder)
-    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
-        f.write(THINKING_TEMPLATE)
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config.pop("chat_template", None)  # the .jinja file is the template
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+    use_chat_template(folder, THINKING_TEMPLATE)
     with serving(folder, *FLAGS, "--reasoning-parser", "qwen3") as srv:
         yield srv
 
