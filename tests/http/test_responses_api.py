@@ -53,9 +53,12 @@ def test_create_is_the_chat_request_of_the_same_conversation(server, client) -> 
     assert resp.output_text == chat.choices[0].message.content
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
     assert resp.usage.output_tokens == chat.usage.completion_tokens
-    # The same prompt again: every prompt token but the last comes from the radix cache.
-    assert resp.usage.input_tokens_details.cached_tokens >= 0
+    # The same prompt again: every prompt token but the last comes from the radix cache, on
+    # either route.
     assert chat.usage.prompt_tokens_details.cached_tokens >= resp.usage.input_tokens - 1
+    again = client.responses.create(model="tiny", instructions="Be brief.", input=QUESTION,
+                                    max_output_tokens=12, temperature=0, store=False)
+    assert again.usage.input_tokens_details.cached_tokens >= resp.usage.input_tokens - 1
     truncated = chat.choices[0].finish_reason == "length"
     assert resp.status == ("incomplete" if truncated else "completed")
 
