@@ -113,11 +113,12 @@ class LlamaServer(Launched):
 
 
 class RadixServer(Launched):
-    def __init__(self, flags: list[str], startup_timeout: float) -> None:
+    def __init__(self, flags: list[str], startup_timeout: float,
+                 env: dict[str, str] | None = None) -> None:
         port = free_port()
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning",
                "--served-model-name", "agent", *flags]
-        super().__init__("radixserve", cmd, port, startup_timeout)
+        super().__init__("radixserve", cmd, port, startup_timeout, env)
 
 
 def default_gguf() -> Path:

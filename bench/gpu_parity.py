@@ -24,7 +24,11 @@ def load_hf(folder: str, dtype: str, device: str) -> Any:
 
     version = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
     key = "dtype" if version >= (4, 56) else "torch_dtype"
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, **{key: getattr(torch, dtype)})
+    from radixserve.model.gguf_folder import transformers_args
+
+    where, kwargs = transformers_args(folder)  # a GGUF model's folder: the file itself
+    model = transformers.AutoModelForCausalLM.from_pretrained(where, **{key: getattr(torch, dtype)},
+                                                              **kwargs)
     model = model.to(device).eval()
     model.generation_config.eos_token_id = None  # exactly n tokens, as the engine's ignore_eos
     return model

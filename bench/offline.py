@@ -282,7 +282,10 @@ def run_hf_static(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    from radixserve.model.gguf_folder import transformers_args
+
+    where, kwargs = transformers_args(model_path)  # a GGUF model's folder: the file itself
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype), **kwargs)
     model = model.to(device).eval()
     load_s = time.perf_counter() - t0
     hf_generate(model, [WARMUP_TEXT_IDS], 2, pad_id)

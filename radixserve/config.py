@@ -154,8 +154,8 @@ class ServerArgs:
         "auto",
         "weight-only matmuls on a CPU: none; int8 (a scale and an offset per 32 weights, "
         "~3x less weight memory than float32); int4 (blocks of 32, d*q+m, ~6x less); gguf "
-        "(a .gguf model's "
-        "Q4_0/Q4_1/Q8_0 tensors as stored: the weights float32 computes with); auto (gguf "
+        "(a .gguf model's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors as stored: the weights float32 "
+        "computes with); auto (gguf "
         "where the model has such tensors, else none)")
     int8_activations: bool = setting(
         False,

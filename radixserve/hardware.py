@@ -63,7 +63,7 @@ def _torch_cuda() -> Any:
 
 def resolve_quantization(mode: str, gguf_path: str | None, on_cpu: bool, tp_size: int) -> str:
     """``mode`` with ``auto`` resolved: ``gguf`` for a model from ``gguf_path`` (None: not a
-    GGUF; see :func:`checkpoint.gguf_index.gguf_source`) that has Q4_0 / Q4_1 / Q8_0 tensors,
+    GGUF; see :func:`checkpoint.gguf_index.gguf_source`) that has tensors of a type it serves,
     on a CPU, one rank; else ``none``."""
     if mode != "auto":
         return mode

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from radixserve.checkpoint.default_gguf import default_gguf_path
 
-SERVED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types quantization/gguf.py serves as stored
+# the types quantization/gguf.py serves as stored (registry.py's GGUF types)
+SERVED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def gguf_source(model_path: str | None) -> str | None:
@@ -26,8 +27,12 @@ def gguf_source(model_path: str | None) -> str | None:
 
 # GGUF's metadata value types: their sizes (8: a string, 9: an array).
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # others: by number
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
+# GGML's tensor types by number (ggml.h's ggml_type); others: by number
+_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+               9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
+               30: "BF16"}
+# bytes per block of the served types: 32 weights, 256 for the K-quants (Q4_K, Q5_K, Q6_K)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 @dataclass
@@ -42,6 +47,7 @@ class GGUFTensor:
 class GGUFIndex:
     architecture: str
     tensors: dict[str, GGUFTensor]
+    head_dim: int | None = None  # ``<arch>.attention.key_length``, where the file has it
 
 
 def read_gguf_index(path: str) -> GGUFIndex:
@@ -56,12 +62,13 @@ def read_gguf_index(path: str) -> GGUFIndex:
         buf = bytearray(data)
         pos = 24
 
+        size = os.fstat(f.fileno()).st_size
+
         def need(n: int) -> None:
-            while len(buf) < pos + n:
-                chunk = f.read(max(n, 1 << 20))
-                if not chunk:
-                    raise ValueError(f"{path}: the header ends early")
-                buf.extend(chunk)
+            if pos + n > size:  # also a count or length read from a damaged header
+                raise ValueError(f"{path}: the GGUF header ends early (truncated or damaged)")
+            while len(buf) < pos + n:  # never past the end: checked above
+                buf.extend(f.read(max(n, 1 << 20)))
 
         def take(fmt: str) -> tuple:
             nonlocal pos
@@ -104,7 +111,7 @@ def read_gguf_index(path: str) -> GGUFIndex:
             (kind,) = take("<I")
             if kind == 8 and key == "general.architecture":
                 meta[key] = string()
-            elif kind == 4 and key == "general.alignment":
+            elif kind == 4 and (key == "general.alignment" or key.endswith(".key_length")):
                 meta[key] = take("<I")[0]
             else:
                 skip(kind)
@@ -120,7 +127,9 @@ def read_gguf_index(path: str) -> GGUFIndex:
     tensors = {
         name: GGUFTensor(name, kind, shape, start + offset) for name, kind, shape, offset in infos
     }
-    return GGUFIndex(str(meta.get("general.architecture", "")), tensors)
+    architecture = str(meta.get("general.architecture", ""))
+    head_dim = meta.get(f"{architecture}.attention.key_length")
+    return GGUFIndex(architecture, tensors, None if head_dim is None else int(head_dim))
 
 
 def served_tensor_count(gguf_path: str) -> int:

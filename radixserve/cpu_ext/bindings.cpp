@@ -29,6 +29,8 @@ at::Tensor int4_linear_q16(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor
 at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor offset);
 bool q8_supported();
 void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out);
+at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2);
+void kq_dequant_(at::Tensor blocks, const std::string& kind, at::Tensor out);
 int64_t vector_width();
 at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatures,
@@ -60,6 +62,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_supported", &q8_supported,
         "whether int4_linear_q8 and int8_linear_q8 run in this build");
   m.def("int4_dequant_", &int4_dequant_, "out <- d * q + m of a 4-bit weight, in out's dtype");
+  m.def("kq_linear", &kq_linear,
+        "x [M, K] times a weight of up to 3 parts of GGUF K-quant blocks [N_i, K / 256, 144 | "
+        "176 | 210] (empty tensors for none) -> [M, sum N_i] in x's dtype");
+  m.def("kq_dequant_", &kq_dequant_,
+        "out [N, K] <- the weight of a GGUF K-quant tensor's blocks (kind: Q4_K, Q5_K or Q6_K)");
   m.def("float_linear", &float_linear,
         "x [M, K] times w [N, K], float32 or bfloat16 -> [M, N] (few rows)");
   pybind11::class_<DecodeLayers>(

@@ -13,7 +13,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+#include <type_traits>
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -222,6 +225,26 @@ inline void prefetch_line(const char* p) {
 #else
   __builtin_prefetch(p);
 #endif
+}
+
+// W floats stored as the output's element type: float32 as they are, bfloat16 rounded to nearest
+// even in vectors (a scalar conversion per element would make a bfloat16 dequantization cost
+// more than the matmul it feeds), others element by element.
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));
+
+template <typename T>
+inline void store_elems(T* dst, vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    storew(dst, v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    vu bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const vh top = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, vh);
+    std::memcpy(dst, &top, sizeof(top));
+  } else {
+    for (int l = 0; l < W; ++l) dst[l] = static_cast<T>(v[l]);
+  }
 }
 
 }  // namespace

@@ -34,7 +34,9 @@ QUANTIZED_KINDS = {
     "int4_linear": 4,
     "int4_linear_q8": 5,
     "int4_linear_q16": 6,
+    "kq_linear": 7,
 }
+WEIGHT_TENSORS = 3  # per matmul, before its bias (fewer: padded with empty tensors)
 _EMPTY = torch.empty(0)
 
 
@@ -47,9 +49,11 @@ def _linear_parts(
     w, bias = module.weight, module.bias if module.bias is not None else _EMPTY
     if isinstance(w, QuantizedWeight):
         (one, tensors), (many, _) = w.kernel_args(1), w.kernel_args(2)
-        if one not in QUANTIZED_KINDS or many not in QUANTIZED_KINDS or len(tensors) != 3:
+        if one not in QUANTIZED_KINDS or many not in QUANTIZED_KINDS or (
+                len(tensors) > WEIGHT_TENSORS):
             return None
-        return (QUANTIZED_KINDS[one], QUANTIZED_KINDS[many]), [*tensors, bias]
+        padding = [_EMPTY] * (WEIGHT_TENSORS - len(tensors))
+        return (QUANTIZED_KINDS[one], QUANTIZED_KINDS[many]), [*tensors, *padding, bias]
     if isinstance(w, torch.Tensor) and w.dim() == 2:
         return None, [w, _EMPTY, _EMPTY, bias]
     return None

@@ -1,4 +1,5 @@
-"""Load a model from an HF folder, a GGUF file, or the embedded default."""
+"""Load a model from an HF folder, a GGUF file (its weights read from the file itself), or the
+embedded default."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from typing import Any
 
 import torch
 
+from radixserve.checkpoint.gguf_index import read_gguf_index
 from radixserve.checkpoint.records import read_record, record_path, write_record
 from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.model import get_model_class
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder import CausalLM
 from radixserve.model.default_model import resolve_model_path
+from radixserve.model.gguf_folder import gguf_file_of
+from radixserve.model.gguf_weights import iter_gguf_weights
 from radixserve.model.weight_arena import pack_weights
 from radixserve.quantization import quantize_model
 from radixserve.quantization.registry import resolve as resolve_quantization
@@ -83,29 +87,34 @@ def load_model(
     with ``tp``, only this rank's shard of them.  ``load_format="dummy"`` needs only the
     folder's config.json: the weights are random (seeded), for benchmarks of a model's shape.
     ``quantization``: one of :data:`radixserve.config.QUANTIZATIONS` (radixserve/quantization/);
-    ``gguf`` serves the blocks of ``gguf_path``, by default the .gguf behind ``model_path`` (a
-    caller that passes the converted folder names the file); ``int8_activations``,
+    ``gguf`` serves the blocks of ``gguf_path``, by default the .gguf behind ``model_path``;
+    ``int8_activations``,
     ``wide_one_row``: see :func:`radixserve.quantization.quantize_model`."""
     folder = resolve_model_path(model_path)
     hf_config = read_config(folder)
     config = ModelConfig.from_hf(hf_config, dtype, folder)
     cls = get_model_class(config.architecture)
     with torch.device("meta"):  # no random init: every parameter is overwritten below
-        model = cls(config, hf_config, tp)
-    # nn.Module.to_empty's empty_like on meta tensors runs torch's Python reference, whose
-    # import (sympy) would slow every start; the parameters are contiguous, so torch.empty.
-    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    if load_format == "dummy":
-        random_weights(model)
-    else:
-        model.load_weights(iter_safetensors(folder, dtype))
-    from radixserve.checkpoint.gguf_index import gguf_source
-
-    gguf_path = None if load_format == "dummy" else gguf_path or gguf_source(model_path)
+        model = cls(config, hf_config, tp).to(dtype)
+    source = gguf_file_of(folder)  # the weights of a GGUF model stay in the file
+    gguf_path = None if load_format == "dummy" else source or gguf_path
     quantization = resolve_quantization(
         quantization, gguf_path, torch.device(device).type == "cpu", tp.size
     )
-    quantize_model(model, quantization, gguf_path, int8_activations, wide_one_row)
+    served_first = quantization == "gguf" and gguf_path is not None and source is not None
+    if served_first:  # the file's blocks before any float weight: no float copy of them
+        quantize_model(model, quantization, gguf_path, int8_activations, wide_one_row)
+    # nn.Module.to_empty's empty_like on meta tensors runs torch's Python reference, whose
+    # import (sympy) would slow every start; the parameters are contiguous, so torch.empty.
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    if load_format == "dummy":
+        random_weights(model)
+    elif source is not None:
+        model.load_weights(iter_gguf_weights(model, source, read_gguf_index(source), dtype))
+    else:
+        model.load_weights(iter_safetensors(folder, dtype))
+    if not served_first:
+        quantize_model(model, quantization, gguf_path, int8_activations, wide_one_row)
     if torch.device(device).type == "cpu":  # one huge-page block: fewer TLB misses per step
         pack_weights(model)
     model.eval()

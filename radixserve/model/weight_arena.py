@@ -75,18 +75,22 @@ def pack_weights(model: nn.Module) -> int:
     total = sum(_aligned(t.numel() * t.element_size()) for _, _, t in slots)
     if not slots:
         return 0
+    count = len(slots)
     mark_weights_changed()  # what holds the old tensors (model/fused_decode.py) rebuilds
     arena = _huge_page_block(total)
     offset = 0
-    for owner, attribute, t in slots:
+    slots.reverse()
+    while slots:  # each tensor released once copied: the process holds one copy, not two
+        owner, attribute, t = slots.pop()
         size = t.numel() * t.element_size()
         view = arena[offset:offset + size].view(t.dtype).view(t.shape)
         view.copy_(t)
         setattr(owner, attribute, view)
         offset += _aligned(size)
+        del t
     log.info(
         "weights in one %.0f MB block of memory (%d tensors, huge pages asked for)",
         total / 2**20,
-        len(slots),
+        count,
     )
     return total

@@ -2,8 +2,9 @@
 
 One file per method, each a registered class (registry.py; base.py says what a method is):
 ``none`` (none.py, the float weights), ``int8`` (int8.py), ``int4`` (int4.py) and ``gguf``
-(gguf.py, a GGUF's Q4_0 / Q4_1 / Q8_0 tensors served as stored).  ``auto`` (the default) takes
-``gguf`` for a GGUF model with such tensors on a CPU, else ``none`` (registry.resolve).
+(gguf.py, a GGUF's Q4_0 / Q4_1 / Q8_0 tensors and its K-quants, kquant.py, served as stored).
+``auto`` (the default) takes ``gguf`` for a GGUF model with such tensors on a CPU, else ``none``
+(registry.resolve).
 apply.py quantizes a model in place; matmul.py's :func:`linear` multiplies by a float or a
 quantized weight; weights.py says what a quantized weight is and how its matmuls run.
 """

@@ -27,6 +27,9 @@ _GGUF_TYPES: dict[str, str] = {
     "Q4_0": "radixserve.quantization.int4:Q4_0",
     "Q4_1": "radixserve.quantization.int4:Q4_1",
     "Q8_0": "radixserve.quantization.int8:Q8_0",
+    "Q4_K": "radixserve.quantization.kquant:Q4_K",
+    "Q5_K": "radixserve.quantization.kquant:Q5_K",
+    "Q6_K": "radixserve.quantization.kquant:Q6_K",
 }
 
 

@@ -24,11 +24,11 @@ PROMPTS = [
 NEW_TOKENS = 10
 
 
-def _hf_model(folder: str):
+def _hf_model(folder: str, **kwargs: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
+        folder, dtype=torch.float32, attn_implementation="eager", **kwargs
     )
     model.generation_config.eos_token_id = None  # compare fixed-length continuations
     return model.eval()
@@ -207,9 +207,13 @@ def test_default_model_config(default_f32) -> None:
     assert 2 in cfg.eos_token_ids  # <|im_end|>
 
 
-def test_default_model_matches_hf_on_converted_folder(default_f32) -> None:
-    """Chat prompt, 16 greedy tokens; chunked prefill sharing batches with another request."""
-    hf = _hf_model(default_f32.tokenizer_path)
+def test_default_model_matches_transformers_on_its_gguf(default_f32) -> None:
+    """Chat prompt, 16 greedy tokens against transformers reading the GGUF itself; chunked
+    prefill sharing batches with another request."""
+    from radixserve.model.default_model import default_gguf_path
+
+    folder, name = os.path.split(default_gguf_path())
+    hf = _hf_model(folder, gguf_file=name)
     prompt = _chat_prompt(default_f32.tokenizer_path)
     ref = _hf_greedy(hf, prompt, DEFAULT_NEW_TOKENS)
     runner = ModelRunner(default_f32.model, max_context=256, num_slots=1024)
@@ -221,45 +225,35 @@ def test_default_model_matches_hf_on_converted_folder(default_f32) -> None:
     assert both == [alone, ref]
 
 
-@pytest.mark.slow
-def test_default_model_matches_transformers_gguf(default_f32) -> None:
-    """The conversion is faithful: same greedy tokens as transformers reading the GGUF itself."""
-    from transformers import AutoModelForCausalLM
-
-    from radixserve.model.default_model import default_gguf_path
-
-    folder, name = os.path.split(default_gguf_path())
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    hf.generation_config.eos_token_id = None
-    prompt = _chat_prompt(default_f32.tokenizer_path)
-    ours = ModelRunner(default_f32.model, max_context=256).greedy([prompt], DEFAULT_NEW_TOKENS)
-    assert ours[0] == _hf_greedy(hf.eval(), prompt, DEFAULT_NEW_TOKENS)
-
-
-def test_default_model_is_converted_once(
+def test_default_model_folder_is_written_once(
     default_model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from radixserve.model import gguf_convert
+    """The folder's small files are written once; its weights stay in the GGUF (no float
+    copy of them in the cache)."""
+    from radixserve.model import gguf_folder
 
-    def no_conversion(*args: object) -> None:
-        raise AssertionError("the cached conversion should have been reused")
+    def no_writing(*args: object) -> None:
+        raise AssertionError("the cached folder should have been reused")
 
-    monkeypatch.setattr(gguf_convert, "convert_gguf", no_conversion)
+    monkeypatch.setattr(gguf_folder, "write_folder", no_writing)
     loaded = load_model(None, torch.float32)
     assert loaded.tokenizer_path == default_model_path
     assert os.path.isfile(os.path.join(default_model_path, "tokenizer.json"))
+    assert not [f for f in os.listdir(default_model_path) if f.endswith(".safetensors")]
+    assert sum(os.path.getsize(os.path.join(default_model_path, f))
+               for f in os.listdir(default_model_path)) < 8 * 2**20
 
 
-def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_folder_write_leaves_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
     from radixserve.model.default_model import default_model_path
 
     def boom(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("simulated crash during dequantization")
+        raise RuntimeError("simulated crash while reading the tokenizer")
 
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
         default_model_path()
     leftovers = [p for p in os.listdir(tmp_path) if not p.endswith(".lock")]
@@ -282,7 +276,7 @@ def test_default_model_bfloat16(default_model_path: str) -> None:
 
 @pytest.mark.slow
 def test_any_gguf_path_loads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A .gguf path is converted into the cache (``gguf/<name>-<hash>``) and loads from there."""
+    """A .gguf path gets its folder in the cache (``gguf/<name>-<hash>``) and loads from it."""
     from transformers import AutoTokenizer
 
     from radixserve.model.default_model import default_gguf_path

@@ -12,7 +12,10 @@ import torch
 def hf_model(folder: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    from radixserve.model.gguf_folder import transformers_args
+
+    where, kwargs = transformers_args(folder)  # a GGUF model's folder: the file itself
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
     return model.eval()
 
 

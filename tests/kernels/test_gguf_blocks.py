@@ -6,7 +6,9 @@ into a tiny model; the default model's blocks equal its converted float32 weight
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +27,12 @@ from radixserve.quantization import (
     QuantizedWeight,
     linear,
 )
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.gguf_model import llama_order  # noqa: E402
 
 OPS = cpu_ext.load()
 
@@ -131,11 +139,6 @@ def test_int4_rows_and_bad_shapes() -> None:
         Int4Weight.quantize(torch.randn(4, 48))
 
 
-def _llama_order(w: np.ndarray, heads: int) -> np.ndarray:
-    """Rows as llama.cpp's converter stores a Llama's q / k (pairs of RoPE halves interleaved)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _write_gguf(path: str, model: torch.nn.Module, kinds: dict[str, str]) -> None:
     """A GGUF of the model's matmul weights, each of the kind ``kinds`` gives its checkpoint
     name (default Q4_1); the model's float weights become what the file dequantizes to, as the
@@ -158,7 +161,7 @@ def _write_gguf(path: str, model: torch.nn.Module, kinds: dict[str, str]) -> Non
             start, size = shards[shard] if shard else (0, module.weight.shape[0])
             w = module.weight.detach()[start:start + size].numpy().astype(np.float32)
             heads = {"q": config.num_heads, "k": config.num_kv_heads}.get(shard or "")
-            stored = _llama_order(w, heads) if heads else w
+            stored = llama_order(w, heads) if heads else w
             kind = kinds.get(hf_name, "Q4_1")
             qtype = getattr(gguf.GGMLQuantizationType, kind)
             data = stored.astype(np.float16) if kind == "F16" else quantize(stored, qtype)
@@ -209,19 +212,26 @@ def test_a_ggufs_blocks_served_into_a_tiny_model(tiny_model_dir: Callable[[str],
     torch.testing.assert_close(ModelRunner(model).last_token_logits(prompts), ref_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_blocks_that_differ_keep_the_float_weight(tiny_model_dir: Callable[[str], str], tmp_path) -> None:
-    """A weight changed after the file was written (a wrong mapping, in effect) is not replaced."""
-    from radixserve.quantization import quantize_model
+def test_blocks_read_unlike_the_gguf_package_keep_the_float_weight(
+        tiny_model_dir: Callable[[str], str], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that disagrees with the ``gguf`` package's on a layer's rows (here Q4_1 blocks
+    read as Q4_0) leaves that layer its float weight; the other types are still served."""
+    import dataclasses
+
+    from radixserve.quantization import int4, quantize_model
 
     model = load_model(tiny_model_dir("llama"), torch.float32).model
     path = str(tmp_path / "tiny.gguf")
-    _write_gguf(path, model, {})
-    down = dict(model.named_modules())["model.layers.0.mlp.down_proj"]
-    with torch.no_grad():
-        down.weight[0, 0] += 1e-3
+    _write_gguf(path, model, {"model.layers.1.mlp.down_proj.weight": "Q8_0"})
+
+    def as_q4_0(blocks: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
+        return int4._read_q4_0(blocks[:, :, 2:], dtype)
+
+    monkeypatch.setattr(int4, "Q4_1", dataclasses.replace(int4.Q4_1, read=as_q4_0))
     quantize_model(model, "gguf", path)
-    assert isinstance(down.weight, torch.nn.Parameter)
-    assert isinstance(dict(model.named_modules())["model.layers.1.mlp.down_proj"].weight, Int4Weight)
+    layers = dict(model.named_modules())
+    assert isinstance(layers["model.layers.0.mlp.down_proj"].weight, torch.nn.Parameter)
+    assert isinstance(layers["model.layers.1.mlp.down_proj"].weight, Int8Weight)
 
 
 def test_the_default_models_blocks_are_its_float32_weights(default_model_path: str) -> None:
