@@ -13,6 +13,7 @@ The values do not change: each tensor is replaced by a view of the arena holding
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from radixserve.quantization import QuantizedWeight, mark_weights_changed
 
+_LIBC = ctypes.CDLL(None)
 log = logging.getLogger("radixserve")
 
 HUGE_PAGE = 2 * 2**20
@@ -69,6 +71,18 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+RELEASE_EVERY = 128 << 20  # bytes copied between two hand-backs of the freed originals
+
+
+def _release_freed() -> None:
+    """Hand the C heap's free memory back to the OS.  glibc serves allocations below its
+    (growing) mmap threshold from its heap and keeps what they free: a load's temporaries and
+    the weights' first copies would stay resident beside the block."""
+    trim = getattr(_LIBC, "malloc_trim", None)  # glibc's; other C libraries keep no such heap
+    if trim is not None:
+        trim(0)
+
+
 def pack_weights(model: nn.Module) -> int:
     """Move the CPU weights of ``model`` into one huge-page block; returns its size in bytes."""
     slots = _slots(model)
@@ -77,8 +91,9 @@ def pack_weights(model: nn.Module) -> int:
         return 0
     count = len(slots)
     mark_weights_changed()  # what holds the old tensors (model/fused_decode.py) rebuilds
+    _release_freed()  # the load's temporaries, before the block grows
     arena = _huge_page_block(total)
-    offset = 0
+    offset = released = 0
     slots.reverse()
     while slots:  # each tensor released once copied: the process holds one copy, not two
         owner, attribute, t = slots.pop()
@@ -88,6 +103,10 @@ def pack_weights(model: nn.Module) -> int:
         setattr(owner, attribute, view)
         offset += _aligned(size)
         del t
+        if offset - released >= RELEASE_EVERY:
+            _release_freed()
+            released = offset
+    _release_freed()
     log.info(
         "weights in one %.0f MB block of memory (%d tensors, huge pages asked for)",
         total / 2**20,
