@@ -325,40 +325,16 @@ def _kquant_scheduler(folder: str, dtype: str) -> Any:
     return Scheduler(args, loaded.model, loaded.config, None)
 
 
-def _logits(sched: Any, fused: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Every forward's logits over the prompts' requests (6 tokens each), with ``fused``."""
-    from helpers.sched_driver import run_until_idle, submit
-
-    model = sched.runner.model
-    model.fused = fused
-    logits: list[torch.Tensor] = []
-    forward = model.forward
-
-    def recording(fb: Any) -> torch.Tensor:
-        out = forward(fb)
-        logits.append(out.clone())
-        return out
-
-    model.forward = recording
-    try:
-        for p in prompts:
-            submit(sched, p, max_new_tokens=6, ignore_eos=True)
-        run_until_idle(sched)
-    finally:
-        del model.forward
-    return logits
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_layers_give_the_python_layers_bits(kq_model_dir: str, dtype: str) -> None:
-    from test_fused_decode import Counting, Off  # the fused layers' own test's stand-ins
+    from test_fused_decode import Counting, Off, run  # the fused layers' own test's helpers
 
     prompts = [[10, 11, 12, 13, 50], [10, 11, 12, 60, 61, 62], [100, 101]]
     sched = _kquant_scheduler(kq_model_dir, dtype)
     counting = Counting(sched.runner.model)
-    fused = _logits(sched, counting, prompts)
+    fused, _ = run(sched, counting, prompts)
     assert isinstance(sched.runner.model.model.layers[0].mlp.down_proj.weight, QuantizedWeight)
-    plain = _logits(_kquant_scheduler(kq_model_dir, dtype), Off(), prompts)
+    plain, _ = run(_kquant_scheduler(kq_model_dir, dtype), Off(), prompts)
     assert counting.calls >= 5  # the decode steps after the prefill
     assert len(fused) == len(plain)
     assert all(same_bits(a, b) for a, b in zip(fused, plain, strict=True))
