@@ -1,4 +1,4 @@
-"""The GGUF files of bench/gguf.py, built from a model shape with seeded random weights.
+"""The GGUF files of bench/gguf_files.py, built from a model shape with seeded random weights.
 
 A Llama decoder of a :class:`Shape` is written as F16 with the metadata keys, tensor names and
 q / k row order of llama.cpp's converter and SmolLM2's tokenizer (the embedded default model's
@@ -7,7 +7,6 @@ package, the K-quants by bench/gguf_quantize.py, each tensor's type chosen by ll
 (:func:`tensor_type`).  tests/helpers/gguf_files.py writes its files with :func:`llama_order`,
 :func:`encode` and :func:`tokenizer_fields` too.
 
-Imported as ``bench.gguf_model``: run from bench/, ``import gguf`` would find bench/gguf.py.
 """
 
 from __future__ import annotations

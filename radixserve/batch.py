@@ -76,6 +76,8 @@ class ForwardBatch:
     num_extra_logits: int = 0  # E
     # (flat index, slot) cells of req_to_token the device copy lacks; written by ``send``.
     table_updates: tuple[Any, Any] | None = None
+    # The LoRA adapters of the batch's rows (``lora/batch.py``'s LoraBatch); None: base only.
+    lora: Any = None
 
     @property
     def batch_size(self) -> int:

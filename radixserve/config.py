@@ -28,6 +28,7 @@ from radixserve.settings.checks import (  # noqa: F401
     check_features,
     check_limits,
 )
+from radixserve.settings.lora import check_lora
 
 INT8_ACTIVATION_MODES = ("int4", "gguf", "int8")  # the formats --int8-activations multiplies
 DEFAULT_MAX_RUNNING_REQUESTS = 128  # rows of the request-to-token table when unset
@@ -162,6 +163,17 @@ class ServerArgs:
         "decode rows through quantized weights (int4, gguf, int8) with activations quantized to "
         "int8 per 32, as llama.cpp's Q4 x Q8 dot products: faster matmuls where the CPU has "
         "AVX-512 VNNI, not exact")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (on with --lora-paths; adapters load while serving too)")
+    lora_paths: tuple[str, ...] = setting(
+        (), "LoRA adapters to load at start: NAME=PATH ... (PATH: a peft adapter folder)")
+    max_loras_per_batch: int = setting(
+        8, "adapters one batch may mix: the slots of adapter weights on the device")
+    max_lora_rank: int | None = setting(
+        None, "the largest adapter rank served (default: the largest of --lora-paths, else 16)")
+    lora_target_modules: tuple[str, ...] = setting(
+        (), "projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, or all (default: those of --lora-paths, else all)")
     speculative_algorithm: str | None = setting(
         None,
         "speculative decoding: ngram (drafts from the radix tree and the request's own "
@@ -240,6 +252,14 @@ class ServerArgs:
         "seconds a stored Response's conversation stays pinned in the radix cache, so that "
         "the next turn (after a tool call) is a cache hit under memory pressure (0: no pin)")
     def __post_init__(self) -> None:
+        for name in ("lora_paths", "lora_target_modules"):  # lists and a dict from the Engine
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                value = [f"{k}={v}" for k, v in value.items()]
+            if isinstance(value, str):
+                value = [value]
+            object.__setattr__(self, name, tuple(value))
+        check_lora(self)
         check_choices_and_sizes(self)  # radixserve/settings/checks.py
         check_features(self)
         check_limits(self)
@@ -326,6 +346,7 @@ class ServerArgs:
             speculative_algorithm=algorithm,
             speculative_num_draft_tokens=drafts,
             speculative_disable_by_batch_size=spec_bs,
+            enable_lora=self.enable_lora or bool(self.lora_paths),
         )
 
     def to_dict(self) -> dict[str, Any]:

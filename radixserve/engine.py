@@ -71,11 +71,12 @@ class Engine:
         extra_key: Any = None,
         priority: int = 0,
         return_cache_report: bool = False,
+        lora_path: Any = None,
     ) -> tuple[bool, list[Job]]:
         """Validate every request of the call up front; ValueError names the bad one."""
         batched, specs = split_batch(
             prompt, input_ids, sampling_params, extra_key, priority=priority,
-            cache_report=return_cache_report,
+            cache_report=return_cache_report, lora_path=lora_path,
         )
 
         def prepare(spec: PromptSpec) -> Any:
@@ -128,6 +129,7 @@ class Engine:
         extra_key: str | list[str | None] | None = None,
         priority: int = 0,
         return_cache_report: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts, in input order).
 
@@ -150,11 +152,13 @@ class Engine:
         ``extra_key`` (one, or one per prompt): the cache namespace (the HTTP routes'
         ``cache_salt``); cached prefixes are shared only between requests with the same key.
         ``priority``: the level used by ``schedule_policy="priority"``.
+        ``lora_path`` (one, or one per prompt): the name of a loaded LoRA adapter (SGLang's
+        field; None: the base model); ValueError for an adapter that is not loaded.
         ``return_cache_report`` adds ``meta_info.cache_report``: where the prompt's prefix match
         stopped, and the request's and the cache's text from there (as ``/generate``).
         """
         batched, prepared = self._jobs(prompt, sampling_params, input_ids, logprob_start_len,
-                                            extra_key, priority, return_cache_report)
+                                            extra_key, priority, return_cache_report, lora_path)
         lp = LogprobRequest(
             return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs
         )
@@ -201,10 +205,11 @@ class Engine:
         return_text_in_logprobs: bool = False,
         extra_key: str | list[str | None] | None = None,
         priority: int = 0,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio variant of :meth:`generate`, usable from any event loop."""
         batched, prepared = self._jobs(prompt, sampling_params, input_ids, logprob_start_len,
-                                            extra_key, priority)
+                                            extra_key, priority, False, lora_path)
         lp = LogprobRequest(
             return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs
         )
@@ -323,6 +328,27 @@ class Engine:
         and ``attention_s``, ``linear_s``, ``other_s``, ``scheduler_s``, ``sampling_s`` (they
         add up to ``step_s``); see ``radixserve/scheduler/profiling.py``."""
         return self._control_checked("stop_profile", timeout)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """Load the peft adapter folder ``lora_path`` as ``lora_name`` (needs
+        ``enable_lora``); the loaded adapters ``{name: folder}``.  ValueError when the folder
+        is not an adapter this model can serve or the name is taken."""
+        result = self._call(self.tm.control("lora_load", lora_name=lora_name,
+                                            lora_path=lora_path))
+        if "error" in result:
+            raise ValueError(result["error"])
+        return dict(result["loaded_adapters"])
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Forget the adapter; ValueError when it is not loaded or requests use it."""
+        result = self._call(self.tm.control("lora_unload", lora_name=lora_name))
+        if "error" in result:
+            raise ValueError(result["error"])
+        return dict(result["loaded_adapters"])
+
+    def lora_adapters(self) -> dict[str, Any]:
+        """The adapters ``{name: folder}`` and the LoRA settings in effect."""
+        return self._call(self.tm.control("loras"))
 
     def _control_checked(self, command: str, timeout: float = 30.0) -> dict[str, Any]:
         result = self._call(self.tm.control(command, timeout))

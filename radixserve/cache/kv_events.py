@@ -26,11 +26,18 @@ from typing import Any
 
 import numpy as np
 
+from radixserve.cache.namespace import split_namespace
 from radixserve.cache.tree_node import DEVICE, HOST, TreeNode
 
 DISK = "disk"
 MEDIUM = {DEVICE: "GPU", HOST: "CPU_PINNED", DISK: "DISK"}  # SGLang's names of the tiers
 _SALT_TAG = b"sglang-cache-salt-v1\0"
+
+
+def lora_id(name: str) -> int:
+    """A LoRA adapter's id in the events (vLLM's ``lora_id`` is an integer): a digest of its
+    name, the same on every worker that serves it under that name."""
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:7], "big")
 
 
 def salt_digest(salt: str) -> bytes:
@@ -97,10 +104,11 @@ class KVEventRecorder:
                      salt: str = "") -> None:
         """Pages that entered ``tier`` (their hashes, the page before them, their tokens)."""
         medium = self.medium[tier]
+        salt, adapter = split_namespace(salt)  # the tree's namespace: salt and LoRA adapter
         tail = self._queue[-1] if self._queue else None
         if (tail is not None and tail["type"] == "BlockStored" and tail.get("medium") == medium
-                and tail.get("cache_salt", "") == salt and tail["block_hashes"]
-                and tail["block_hashes"][-1] == parent_hash):
+                and tail.get("cache_salt", "") == salt and tail.get("lora_name") == adapter
+                and tail["block_hashes"] and tail["block_hashes"][-1] == parent_hash):
             tail["block_hashes"].extend(hashes)
             tail["token_ids"].extend(tokens)
             return
@@ -110,11 +118,13 @@ class KVEventRecorder:
             "parent_block_hash": parent_hash,
             "token_ids": list(tokens),
             "block_size": self.page_size,
-            "lora_id": None,
+            "lora_id": None if adapter is None else lora_id(adapter),
             "medium": medium,
         }
         if salt:
             event["cache_salt"] = salt
+        if adapter is not None:
+            event["lora_name"] = adapter
         self._queue.append(event)
 
     def removed_hashes(self, hashes: list[int], tier: str) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.cache.namespace import split_namespace
 from radixserve.cache.radix_tree import RadixCache, TreeNode
 
 _ID_STRUCTS = {k: struct.Struct(f"{k}q") for k in range(1, 64)}
@@ -23,7 +24,7 @@ SORTS = ("weight", "tokens")
 # ``weight``: tokens x hits of the node's own run; ``subtree_tokens``: tokens held by its subtree.
 FIELDS = ("id", "parent", "depth", "start", "tokens", "prefix_tokens", "subtree_tokens", "hits",
           "weight", "last_access_age_s", "locks", "pinned", "tier", "children", "salted",
-          "head_ids", "tail_ids")
+          "head_ids", "tail_ids", "adapter")
 EDGE_IDS = 12  # token ids shown at each end of a node's run
 # A request "nearly" hit when its match stopped after at least NEAR_MISS_MIN_MATCHED tokens
 # inside a cached sequence that goes on for at least NEAR_MISS_MIN_AFTER more.
@@ -89,9 +90,10 @@ def summary_rows(tree: RadixCache, sort: str = "weight", depth: int | None = Non
                 node.pin_ref > 0,
                 node.tier,
                 len(node.children),
-                bool(namespace),
+                bool(split_namespace(namespace)[0]),
                 _ids(kb, 0, min(n, EDGE_IDS)),
                 _ids(kb, n - EDGE_IDS, EDGE_IDS) if n > EDGE_IDS else (),
+                split_namespace(namespace)[1],  # the LoRA adapter's name, None: the base model
             )
         )
     return {

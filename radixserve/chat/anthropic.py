@@ -254,7 +254,8 @@ def _tool_fields(body: CountTokensRequest) -> dict[str, Any]:
 def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
     """The ``/v1/chat/completions`` body fields equivalent to ``body``."""
     messages, _ = chat_messages(body)
-    fields: dict[str, Any] = {"messages": messages, **_tool_fields(body)}
+    # the model may name a LoRA adapter
+    fields: dict[str, Any] = {"messages": messages, "model": body.model, **_tool_fields(body)}
     if body.cache_salt is not None:
         fields["cache_salt"] = body.cache_salt
     if body.thinking is not None and body.thinking.type == "disabled":

@@ -220,6 +220,7 @@ def chat_fields(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[
         "messages": system + messages, "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p,
         "parallel_tool_calls": body.parallel_tool_calls, "cache_salt": body.cache_salt,
+        "model": body.model,  # may name a LoRA adapter
     }
     if body.tools:
         fields["tools"] = [{"type": "function", "function": t.model_dump(

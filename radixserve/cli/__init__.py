@@ -35,6 +35,11 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
                 default = default.lower() in ("1", "true", "yes")
             group.add_argument(flag, action="store_true", default=default, help=help_text)
             continue
+        if "tuple" in str(f.type):  # NAME=PATH ... lists
+            if isinstance(default, str):  # from the environment: space-separated
+                default = default.split()
+            group.add_argument(flag, nargs="*", default=tuple(default), help=help_text)
+            continue
         conv: Any = str
         if "int" in str(f.type):
             conv = int

@@ -29,6 +29,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "disable_radix_cache", "radix_eviction_policy", "max_pinned_fraction", "host_cache_size",
         "disk_cache_dir", "disk_cache_size")),
     ("Quantization", ("quantization", "int8_activations", "kv_cache_dtype")),
+    ("LoRA adapters", ("enable_lora", "lora_paths", "max_loras_per_batch", "max_lora_rank",
+                       "lora_target_modules")),
     ("Speculative decoding", (
         "speculative_algorithm", "speculative_num_draft_tokens",
         "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
@@ -86,6 +88,8 @@ def _flag(name: str) -> str:
 
 def _type_name(field: dataclasses.Field) -> str:
     text = str(field.type)
+    if "tuple" in text:
+        return "list of text (space-separated; a list in the Engine)"
     if "bool" in text:
         return "flag (no value)"
     if "int" in text:
@@ -101,6 +105,8 @@ def _default(field: dataclasses.Field) -> str:
         return "*computed* (see the text)" if "default" in field.metadata["help"] else "unset"
     if isinstance(value, bool):
         return "off" if not value else "on"
+    if value == ():
+        return "*computed* (see the text)" if "default" in field.metadata["help"] else "none"
     if isinstance(value, str) and value == "auto":
         return "`auto` (see the text)"
     return f"`{value}`"

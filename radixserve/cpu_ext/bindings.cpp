@@ -32,6 +32,7 @@ void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out)
 at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2);
 void kq_dequant_(at::Tensor blocks, const std::string& kind, at::Tensor out);
 int64_t vector_width();
+void lora_apply_(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor token_slots);
 at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatures,
                        at::Tensor top_ks, at::Tensor top_ps, at::Tensor min_ps, at::Tensor seeds,
@@ -78,6 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "torch.argmax(dim=-1) of float32 logits [B, V] (sampling/sampler.py's greedy rows)");
   m.def("sample_rows", &sample_rows,
         "one seeded draw per sampled row of float32 logits [B, V] (sampling/sampler.py)");
+  m.def("lora_apply_", &lora_apply_,
+        "out[t] += b[s] @ (a[s] @ x[t]) in place for each row t of slot s = token_slots[t] != -1");
   m.def("vector_width", &vector_width,
         "float lanes of the kernels' vectors (8: AVX2, 16: AVX-512)");
 }

@@ -7,6 +7,11 @@
 // then for each of qkv, o, gate_up and down three weight tensors and a bias (an empty tensor for
 // none), the weight tensors as ``kinds`` names them (Linear below).  ``pools`` holds each layer's
 // K and V pools and their int8 scales (empty tensors for other pools).
+//
+// LoRA adapters (lora/batch.py): ``lora`` holds, for qkv, o, gate_up and down, the slots' A
+// [L, S, R, in] and B [L, S, out, R] (empty tensors where no adapter may target the module, or
+// no tensor at all without adapters); each matmul's output then gains b[s] (a[s] x) on the rows
+// of slot s = lora_slots[row] (lora_apply_), as the Python layers add it.
 
 #include "decode_layers.h"
 
@@ -33,6 +38,7 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor min
 at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 at::Tensor int4_linear_q16(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2);
+void lora_apply_(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor token_slots);
 
 namespace {
 
@@ -67,6 +73,13 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor* t) {
   return bias.numel() ? y.add(bias) : y;  // y + bias
 }
 
+// y += the adapters' product of layer l's module m (0 qkv, 1 o, 2 gate_up, 3 down), if any.
+void add_lora(const at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora,
+              const at::Tensor& slots, int64_t l, int m) {
+  if (lora.empty() || !lora[2 * m].numel()) return;
+  lora_apply_(y, x, lora[2 * m].select(0, l), lora[2 * m + 1].select(0, l), slots);
+}
+
 }  // namespace
 
 DecodeLayers::DecodeLayers(std::vector<at::Tensor> weights_, std::vector<at::Tensor> pools_,
@@ -87,11 +100,13 @@ DecodeLayers::DecodeLayers(std::vector<at::Tensor> weights_, std::vector<at::Ten
 // layers' ``delta``).  kinds: 4 per layer; cos / sin: [T, head_dim] float32.
 at::Tensor DecodeLayers::run(at::Tensor residual, std::vector<int64_t> kinds, at::Tensor cos,
                              at::Tensor sin, bool quantized, bool rotated, at::Tensor slots,
-                             at::Tensor table, std::vector<at::Tensor> plan) const {
+                             at::Tensor table, std::vector<at::Tensor> plan,
+                             std::vector<at::Tensor> lora, at::Tensor lora_slots) const {
   const int64_t layers = static_cast<int64_t>(weights.size()) / LAYER_TENSORS;
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   static_cast<int64_t>(plan.size()) == PLAN_TENSORS,
               "DecodeLayers.run: 4 kinds per layer and ", PLAN_TENSORS, " plan tensors");
+  TORCH_CHECK(lora.empty() || lora.size() == 8, "DecodeLayers.run: 8 LoRA tensors or none");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(),
               "DecodeLayers.run: residual must be contiguous [T, hidden]");
   const int64_t T = residual.size(0), H = dims[0], KV = dims[1], D = dims[2];
@@ -103,6 +118,7 @@ at::Tensor DecodeLayers::run(at::Tensor residual, std::vector<int64_t> kinds, at
     const at::Tensor h =
         l == 0 ? rms_norm(residual, w[0], eps) : add_rms_norm(residual, delta, w[0], eps);
     const at::Tensor qkv = linear(kind[0], h, w + 2);
+    add_lora(qkv, h, lora, lora_slots, l, 0);
     const at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
     const at::Tensor k = qkv.narrow(1, H * D, KV * D).view({T, KV, D});
     const at::Tensor v = qkv.narrow(1, (H + KV) * D, KV * D).view({T, KV, D});
@@ -115,9 +131,15 @@ at::Tensor DecodeLayers::run(at::Tensor residual, std::vector<int64_t> kinds, at
     const at::Tensor attn =
         paged_attention(q.contiguous(), pool[0], pool[1], pool[2], pool[3], table, plan[0], plan[1],
                         plan[2], plan[3], plan[4], plan[5], plan[6], scaling, rotated);
-    const at::Tensor o = linear(kind[1], attn.view({T, H * D}), w + 6);
+    const at::Tensor attn2 = attn.view({T, H * D});
+    const at::Tensor o = linear(kind[1], attn2, w + 6);
+    add_lora(o, attn2, lora, lora_slots, l, 1);
     const at::Tensor h2 = add_rms_norm(residual, o, w[1], eps);
-    delta = linear(kind[3], silu_mul(linear(kind[2], h2, w + 10)), w + 14);
+    const at::Tensor gate_up = linear(kind[2], h2, w + 10);
+    add_lora(gate_up, h2, lora, lora_slots, l, 2);
+    const at::Tensor act = silu_mul(gate_up);
+    delta = linear(kind[3], act, w + 14);
+    add_lora(delta, act, lora, lora_slots, l, 3);
   }
   return delta;
 }

@@ -12,7 +12,8 @@ struct DecodeLayers {
                std::vector<int64_t> dims, double scaling);
   at::Tensor run(at::Tensor residual, std::vector<int64_t> kinds, at::Tensor cos, at::Tensor sin,
                  bool quantized, bool rotated, at::Tensor slots, at::Tensor table,
-                 std::vector<at::Tensor> plan) const;
+                 std::vector<at::Tensor> plan, std::vector<at::Tensor> lora,
+                 at::Tensor lora_slots) const;
 
   std::vector<at::Tensor> weights, pools;
   double eps, scaling;

@@ -119,6 +119,26 @@ inline void widen_halves(const uint16_t* src, int64_t n, float* dst) {
 }
 
 // Halves added until one lane is left (log2 W shuffles, not W dependent scalar adds).
+// W bfloat16 values at p as floats (bfloat16 is float32's upper 16 bits: exact).  By
+// intrinsics: GCC lowers a vector extension's 16-to-32-bit conversion of 16 lanes as two halves
+// joined by shuffles.
+inline vf load_bf16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif defined(__AVX2__)
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
+  vf out;
+  for (int l = 0; l < W; ++l) {
+    const uint32_t bits = static_cast<uint32_t>(p[l]) << 16;
+    std::memcpy(&out[l], &bits, 4);
+  }
+  return out;
+#endif
+}
+
 inline float lane_sum(vf a) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)a);

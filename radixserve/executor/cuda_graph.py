@@ -151,7 +151,7 @@ class DecodeGraphs:
     # ---- replay ------------------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
         return (fb.is_decode and fb.batch_size <= self.max_bs and fb.num_extra_logits == 0
-                and self.backend.graph_compatible(fb))
+                and fb.lora is None and self.backend.graph_compatible(fb))
 
     @torch.inference_mode()
     def replay(self, fb: ForwardBatch) -> torch.Tensor:

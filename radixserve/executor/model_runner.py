@@ -14,6 +14,8 @@ from radixserve.executor import prompt_logprobs
 from radixserve.executor.cuda_graph import DecodeGraphs
 from radixserve.executor.req_view import ReqView
 from radixserve.executor.tp_worker import WorkerLink
+from radixserve.lora.batch import LoraBatch
+from radixserve.lora.slots import LoraPool
 from radixserve.profiler_scopes import scope
 from radixserve.sampling import SampleOutput, SamplingBatch, sample
 from radixserve.transfer import resolve
@@ -43,6 +45,7 @@ class ModelRunner:
         # Tensor parallelism: rank 0's link to the other ranks (None: a single rank).
         self.link: WorkerLink | None = None
         self.graphs: DecodeGraphs | None = None  # captured decode forwards (use_decode_graphs)
+        self.lora: LoraPool | None = None  # the LoRA adapters and their slots (--enable-lora)
 
     def use_decode_graphs(self, max_bs: int, max_context_len: int) -> None:
         """Capture decode forwards for batches of up to ``max_bs`` requests (CUDA graphs on
@@ -90,7 +93,7 @@ class ModelRunner:
                 slots=pack_rows(table, rows, seq_lens),
                 extra_logits=np.zeros(0, dtype=np.int64) if extra_logits is None else extra_logits,
             ))
-        return ForwardBatch.build(
+        fb = ForwardBatch.build(
             input_ids=input_ids,
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
@@ -104,6 +107,10 @@ class ModelRunner:
             table_host=table,
             table_updates=self.req_pool.sync_updates(rows, seq_lens),
         )
+        if self.lora is not None:
+            fb.lora = LoraBatch.build(self.lora, [r.lora_slot for r, _ in entries], extend_lens,
+                                      fb.upload)
+        return fb
 
     @torch.inference_mode()
     def forward(self, entries: list[tuple[ReqView, int]], sample_rows: list[int] | None = None,

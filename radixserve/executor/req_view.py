@@ -57,6 +57,7 @@ class ReqView(Protocol):
     seed: int
     return_logprob: bool
     top_logprobs_num: int
+    lora_slot: int  # the slot of its LoRA adapter (lora/slots.py), -1: the base model
 
     @property
     def kv(self) -> KVRowView: ...

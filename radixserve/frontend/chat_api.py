@@ -161,7 +161,7 @@ def _finish_reason(meta: RequestMeta, has_calls: bool) -> str | None:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     st = server_state(request)
-    st.check_model(body.model)
+    st.check_model(body.model, body.lora_path)
     call = prepare_chat(st, body)
     if not body.stream:
         return await _chat_response(call, request)
@@ -182,7 +182,8 @@ class ChatCall:
 
     def streams(self, stream: bool) -> list[AsyncIterator[Piece]]:
         rids = choice_rids(self.body.rid, len(self.choice_params))
-        hints = self.body.hints(len(rids))
+        hints = self.body.hints(len(rids),
+                                lora=self.st.check_model(self.body.model, self.body.lora_path))
         return [self.st.stream(self.ids, p, stream=stream, logprob=self.body.logprobs,
                                top_n=self.body.top_logprobs or 0, rid=rid, hints=h)
                 for p, rid, h in zip(self.choice_params, rids, hints, strict=True)]

@@ -48,7 +48,8 @@ def _event(result: dict[str, Any]) -> bytes:
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Any:
     st = _state(request)
-    st.check_model(body.model)
+    adapters = body.lora_path if isinstance(body.lora_path, list) else [body.lora_path]
+    loras = [st.check_model(body.model, a) for a in adapters]
     lp = LogprobRequest(body.return_logprob, body.top_logprobs_num, body.logprob_start_len,
                         body.return_text_in_logprobs)
     prompt_param = "text" if body.text is not None else "input_ids"
@@ -57,6 +58,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             body.text, body.input_ids, body.sampling_params, body.extra_key,
             priority=body.priority or 0, cache_report=body.return_cache_report,
             bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room),
+            lora_path=loras if isinstance(body.lora_path, list) else loras[0],
         )
     except InvalidRequestError as e:
         raise APIError(str(e), 400, param=e.param) from None

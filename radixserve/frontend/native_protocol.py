@@ -43,6 +43,9 @@ class GenerateRequest(RequestBody):
     # meta_info.cache_report: where the prefix match stopped and what the cache held from there
     return_cache_report: StrictBool = False
     model: str | None = None  # SGLang's router sends null; a name must be the served model's
+    # (or a LoRA adapter's)
+    # a LoRA adapter's name (one, or one per prompt of a batch), SGLang's field
+    lora_path: str | list[str | None] | None = None
     # SGLang's bootstrap fields (one, or one per prompt): smg's PD mode names the prefill worker
     # and the request's room (radixserve/disagg)
     bootstrap_host: str | list[str | None] | None = None

@@ -41,7 +41,11 @@ async def models(request: Request) -> JSONBytesResponse:
             "id": st.model_name, "object": "model", "created": int(st.started_at),
             "owned_by": "radixserve", "root": st.model_path, "parent": None,
             "max_model_len": st.info.context_length,
-        }],
+        }] + [{  # the LoRA adapters, as vLLM lists them
+            "id": name, "object": "model", "created": int(st.started_at),
+            "owned_by": "radixserve", "root": path, "parent": st.model_name,
+            "max_model_len": st.info.context_length,
+        } for name, path in st.loras.items()],
     })
 
 
@@ -78,7 +82,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     requests ask the scheduler for prompt logprobs from position 0, so their prompt is
     computed even when it is cached."""
     st = server_state(request)
-    st.check_model(body.model)
+    st.check_model(body.model, body.lora_path)
     call = _prepare_completion(st, body)
     if not body.stream:
         return await _completion_response(call, request)
@@ -106,7 +110,8 @@ class _CompletionCall:
 
     def streams(self, stream: bool) -> list[AsyncIterator[Piece]]:
         rids = choice_rids(self.body.rid, len(self.jobs))
-        hints = self.body.hints(len(self.jobs), len(self.prepared))
+        hints = self.body.hints(len(self.jobs), len(self.prepared),
+                                self.st.check_model(self.body.model, self.body.lora_path))
         return [self.st.stream(ids, p, stream=stream, logprob=self.want_lp,
                                top_n=self.body.logprobs or 0, rid=rid,
                                logprob_start_len=0 if self.echo_lp else -1, hints=h)

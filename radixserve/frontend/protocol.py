@@ -103,6 +103,7 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
     # Cache namespace (vLLM's name): prefixes are shared only with requests of the same salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_EXTRA_KEY_CHARS)
     extra_key: str | None = Field(None, max_length=MAX_EXTRA_KEY_CHARS)  # SGLang's name for it
+    lora_path: str | None = Field(None, min_length=1)  # a LoRA adapter's name (SGLang's field)
     # The request's id (SGLang): meta_info.id, /abort_request; "<rid>_<i>" for choice i of several.
     rid: str | None = Field(None, min_length=1)
     # --schedule-policy priority
@@ -185,13 +186,15 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
         """A streamed response ends with a usage chunk (``stream_options.include_usage``)."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def hints(self, requests: int = 1, prompts: int = 1) -> list[SchedulingHints]:
+    def hints(self, requests: int = 1, prompts: int = 1,
+              lora: str | None = None) -> list[SchedulingHints]:
         """The cache namespace, priority level and bootstrap fields of each of the call's
-        ``requests`` (``prompts`` prompts' choices, in order)."""
+        ``requests`` (``prompts`` prompts' choices, in order), and their LoRA adapter."""
         rooms = bootstraps(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room,
                            requests, prompts)
         return [SchedulingHints(self.cache_salt or self.extra_key or "", self.priority or 0,
-                                cache_report=self.return_cache_report, bootstrap=b) for b in rooms]
+                                cache_report=self.return_cache_report, bootstrap=b, lora=lora)
+                for b in rooms]
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling_params for this body (what it leaves out takes the default)."""

@@ -33,6 +33,7 @@ from radixserve.frontend.chat_api import router as chat_router
 from radixserve.frontend.errors import install_error_handlers
 from radixserve.frontend.json_response import JSONBytesResponse
 from radixserve.frontend.limits import MAX_INCOMPLETE_HEAD_BYTES, install_limits
+from radixserve.frontend.lora_api import router as lora_router
 from radixserve.frontend.native_api import router as native_router
 from radixserve.frontend.openai_api import router as openai_router
 from radixserve.frontend.responses_api import router as responses_router
@@ -83,6 +84,7 @@ def create_app(args: ServerArgs, procs: ProcessGroup, info: ModelInfo,
     app.include_router(native_router)
     app.include_router(cache_router)
     app.include_router(cache_views_router)
+    app.include_router(lora_router)
 
     # The front end admits as many generation requests as the scheduler may hold (running
     # plus queued); beyond that a flood is refused before bodies are read or tokenized.

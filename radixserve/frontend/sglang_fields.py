@@ -3,10 +3,10 @@
 SGLang's clients and its router (``sglang-router`` / ``sgl-model-gateway``) build request bodies
 from SGLang's request schemas, so a worker behind the router receives every field those schemas
 default (``return_hidden_states: false`` and ``stream_reasoning: true`` on chat, ``model: null``,
-``log_metrics: true`` and ``lora_path: null`` on ``/generate``, ``sampling_seed`` in place of
+``log_metrics: true`` and ``lora_id: null`` on ``/generate``, ``sampling_seed`` in place of
 ``seed``, ...).  Each field of :data:`SGLANG_FIELDS` is accepted on the routes it lists:
 
-- ``lacks``: the field asks for a feature radixserve does not have (LoRA, hidden states,
+- ``lacks``: the field asks for a feature radixserve does not have (hidden states,
   multimodal inputs, prefill-decode disaggregation, ...).  Null or its ``default`` asks for
   nothing and is accepted; so are an empty string, list or object, and a batch's list of
   such values.  Any other value is a 400 naming the field.
@@ -57,8 +57,8 @@ SGLANG_FIELDS: dict[str, SGLangField] = {
     # -- features radixserve lacks: accepted unset, refused when they ask for something
     "return_hidden_states": SGLangField("cpg", (bool, str, list), "hidden states in the output",
                                         False),
-    "lora_path": SGLangField("cpg", (str, list), "LoRA adapters"),
-    "lora_id": SGLangField("g", (str, list), "LoRA adapters"),
+    "lora_id": SGLangField("g", (str, list), "SGLang's internal adapter ids (name the adapter with "
+                           "lora_path)"),
     "session_params": SGLangField("cpg", (dict, list), "SGLang's sessions (the radix tree serves a "
                                   "conversation's shared prefix without one)"),
     "session_id": SGLangField("cpg", (str,), "SGLang's sessions (the radix tree serves a "

@@ -70,8 +70,11 @@ class ServerState:
     gen_rate: ThroughputWindow = field(default_factory=ThroughputWindow)
     # stored Responses (/v1/responses), sized by the settings
     responses: ResponseStore = field(init=False)
+    # the LoRA adapters loaded {name: folder}, kept as /load_lora_adapter changes them
+    loras: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.loras = dict(self.info.lora_adapters)
         self.responses = ResponseStore(self.args.response_store_size,
                                        self.args.response_store_bytes)
 
@@ -83,12 +86,35 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.client.tokenizer
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request names (None: the base model), or an APIError.
+
+        ``model`` may name the served model, an adapter (vLLM's convention) or ``BASE:NAME``
+        (SGLang's); ``lora_path`` (SGLang's field) names an adapter too.  An adapter that is not
+        loaded is a 404; naming one where LoRA is off, a 400."""
+        lora = None
         if name is not None and name not in (self.model_name, *UNNAMED_MODELS):
-            raise APIError(
-                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                400, param="model", code="model_not_found",
-            )
+            base, sep, adapter = name.partition(":")
+            if name in self.loras:
+                lora = name
+            elif sep and base == self.model_name and adapter in self.loras:
+                lora = adapter
+            else:
+                served = ", ".join([repr(self.model_name), *map(repr, self.loras)])
+                raise APIError(f"the model '{name}' does not exist; this server serves {served}",
+                               404, param="model", code="model_not_found")
+        if lora_path is not None:
+            if not self.info.lora_enabled:
+                raise APIError("this server serves no LoRA adapters (start it with "
+                               "--enable-lora or --lora-paths)", 400, param="lora_path")
+            if lora_path not in self.loras:
+                raise APIError(f"the LoRA adapter '{lora_path}' is not loaded", 404,
+                               param="lora_path", code="model_not_found")
+            if lora is not None and lora != lora_path:
+                raise APIError(f"model names the adapter '{lora}' and lora_path "
+                               f"'{lora_path}'", 400, param="lora_path")
+            lora = lora_path
+        return lora
 
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
                 sampling: dict[str, Any] | None, check_total: bool = False,

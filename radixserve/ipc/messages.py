@@ -212,6 +212,10 @@ class ModelInfo:
     tokenizer_path: str
     torch_threads: int
     disaggregation_mode: str = "null"
+    # LoRA (--enable-lora): the adapters loaded at start {name: folder}, the largest rank
+    lora_enabled: bool = False
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    max_lora_rank: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -246,6 +250,7 @@ class GenerateReq:
     # meta carries where the prefix match stopped (cache/tree_view.py)
     return_cache_report: bool = False
     bootstrap: Bootstrap | None = None  # prefill-decode disaggregation (radixserve/disagg)
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 @message("abort")
@@ -285,8 +290,24 @@ class CacheTreeReq:
     limit: int = 50
 
 
+@message("lora_load")
+class LoraLoadReq:
+    """Load the peft adapter folder ``lora_path`` as ``lora_name``."""
+
+    cid: str
+    lora_name: str
+    lora_path: str
+
+
+@message("lora_unload")
+class LoraUnloadReq:
+    cid: str
+    lora_name: str
+
+
 # Control commands with arguments: their messages.
-CONTROL_WITH_ARGS: dict[str, type] = {"unpin": UnpinReq, "cache_tree": CacheTreeReq}
+CONTROL_WITH_ARGS: dict[str, type] = {"unpin": UnpinReq, "cache_tree": CacheTreeReq,
+                                      "lora_load": LoraLoadReq, "lora_unload": LoraUnloadReq}
 
 
 def control_request(cid: str, command: str, **args: Any) -> Any:

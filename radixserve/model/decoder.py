@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from radixserve.model.fused_decode import FusedDecode
 from radixserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, fused_ops
 from radixserve.profiler_scopes import scope
 from radixserve.quantization import linear
+
+if TYPE_CHECKING:
+    from radixserve.lora.batch import LoraBatch
 
 _ACTIVATIONS = {"silu": F.silu}
 # Profiler scope around each layer's attention backend call (bench/offline.py --breakdown).
@@ -70,7 +73,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         info = self.info
         # split_with_sizes: Tensor.split's Python wrapper is a visible cost in a one-row decode step
-        q, k, v = self.qkv_proj(x).split_with_sizes(
+        qkv = self.qkv_proj(x)
+        if fb.lora is not None:
+            fb.lora.add(qkv, x, info.layer_id, "qkv")
+        q, k, v = qkv.split_with_sizes(
             [self.q_size, self.kv_size, self.kv_size], dim=-1
         )
         q = q.view(-1, info.num_heads, info.head_dim)
@@ -82,14 +88,20 @@ class Attention(nn.Module):
         k = RotaryEmbedding.apply(k, cos, sin)
         with scope(ATTENTION_SCOPE):
             attn = fb.attn_backend.forward(q, k, v, info, fb)
-        return self.o_proj(attn)
+        out = self.o_proj(attn)
+        if fb.lora is not None:
+            fb.lora.add(out, attn, info.layer_id, "o")
+        return out
 
 
 class MLP(nn.Module):
     """With tensor parallelism this rank holds intermediate columns ``[start, end)``."""
 
-    def __init__(self, config: ModelConfig, spec: ArchSpec, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, spec: ArchSpec, layer_id: int, tp: TensorParallel
+    ) -> None:
         super().__init__()
+        self.layer_id = layer_id
         if config.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
         self.act = _ACTIVATIONS[config.hidden_act]
@@ -102,13 +114,21 @@ class MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(full, config.hidden_size, spec.mlp_bias, tp, part)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """``lora``: the batch's adapters (``fb.lora``), added to both projections."""
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add(gate_up, x, self.layer_id, "gate_up")
         ops = fused_ops(gate_up)
         if ops is not None and self.act is F.silu and gate_up.is_contiguous():
-            return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+            h = ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = self.act(gate) * up
+        out = self.down_proj(h)
+        if lora is not None:
+            lora.add(out, h, self.layer_id, "down")
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -119,7 +139,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, spec, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, spec, tp)
+        self.mlp = MLP(config, spec, layer_id, tp)
 
     def forward(
         self,
@@ -137,7 +157,7 @@ class DecoderLayer(nn.Module):
         else:
             h = self.input_layernorm.add_forward(residual, delta)
         attn = self.self_attn(h, cos, sin, fb)
-        return self.mlp(self.post_attention_layernorm.add_forward(residual, attn))
+        return self.mlp(self.post_attention_layernorm.add_forward(residual, attn), fb.lora)
 
 
 class DecoderModel(nn.Module):

@@ -38,6 +38,7 @@ QUANTIZED_KINDS = {
 }
 WEIGHT_TENSORS = 3  # per matmul, before its bias (fewer: padded with empty tensors)
 _EMPTY = torch.empty(0)
+_NO_LORA: tuple[list[torch.Tensor], torch.Tensor] = ([], _EMPTY)  # a batch without adapters
 
 
 def _linear_parts(
@@ -149,6 +150,7 @@ class FusedDecode:
             or torch.autograd.profiler._is_profiler_enabled
             or not isinstance(plan, KernelPlan)
             or not residual.is_contiguous()
+            or fb.lora is not None and fb.lora.kernel != "cpu"
         ):
             return None
         if self.version != weights_changes():
@@ -166,4 +168,5 @@ class FusedDecode:
             fb.out_cache_loc,
             fb.req_to_token,
             list(plan.args()),
+            *(_NO_LORA if fb.lora is None else fb.lora.kernel_args()),
         )

@@ -48,6 +48,7 @@ def split_batch(
     priority: int = 0,
     cache_report: bool = False,
     bootstrap: tuple[Any, Any, Any] | None = None,
+    lora_path: str | list[str | None] | None = None,
 ) -> tuple[bool, list[PromptSpec]]:
     """``(batched, specs)``; InvalidRequestError (a ValueError) whose ``param`` is the field."""
     if text is None and input_ids is None:
@@ -83,9 +84,14 @@ def split_batch(
         raise InvalidRequestError(
             f"{len(keys)} extra_key values for {n} prompts", param="extra_key"
         )
+    loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
+    if len(loras) != n:
+        raise InvalidRequestError(f"{len(loras)} lora_path values for {n} prompts",
+                                  param="lora_path")
     rooms = bootstraps(*bootstrap, n) if bootstrap is not None else [None] * n
-    hints = [SchedulingHints(key or "", priority, cache_report=cache_report, bootstrap=b)
-             for key, b in zip(keys, rooms, strict=True)]
+    hints = [SchedulingHints(key or "", priority, cache_report=cache_report, bootstrap=b,
+                             lora=lora)
+             for key, b, lora in zip(keys, rooms, loras, strict=True)]
     return batched, [
         PromptSpec(t, ids, sp, h) for t, ids, sp, h in zip(texts, ids_list, sps, hints, strict=True)
     ]

@@ -72,11 +72,15 @@ class SchedulingHints:
     cache_report: bool = False
     # SGLang's bootstrap fields (smg's PD mode): the prefill worker and the request's room
     bootstrap: m.Bootstrap | None = None
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
     def __post_init__(self) -> None:
         if not isinstance(self.extra_key, str) or len(self.extra_key) > MAX_EXTRA_KEY_CHARS:
             raise InvalidRequestError(f"cache_salt / extra_key must be a string of at most "
                                       f"{MAX_EXTRA_KEY_CHARS} characters", param="extra_key")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise InvalidRequestError(f"lora_path must be an adapter's name, got {self.lora!r}",
+                                      param="lora_path")
         if (
             isinstance(self.priority, bool)
             or not isinstance(self.priority, int)
@@ -235,6 +239,7 @@ class TokenizerManager:
             pin_ttl=None if hints.pin_ttl is None else float(hints.pin_ttl),
             return_cache_report=hints.cache_report,
             bootstrap=self._bootstrap(hints),
+            lora=hints.lora,
         )
         finished = False  # the scheduler sent this request's terminal row
         try:

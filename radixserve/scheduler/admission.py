@@ -80,7 +80,7 @@ class PrefillAdder:
             if self._in_batch is None:
                 self._in_batch = RadixCache(page_size=1, free_slots=lambda _: None)
             ids = req.tokens(0)
-            self._in_batch.insert(ids, np.zeros(len(ids), dtype=np.int64), req.extra_key)
+            self._in_batch.insert(ids, np.zeros(len(ids), dtype=np.int64), req.namespace)
 
     def _chunk_len(self, req: Req) -> int | None:
         """Tokens this request computes now, or None if it must wait for a later step."""
@@ -123,7 +123,7 @@ class PrefillAdder:
             return False
         limit = self.kv.match_limit(req)
         cached = len(self.kv.match(req)[0])
-        common = len(self._in_batch.match_prefix(req.tokens(0, limit), req.extra_key).slots)
+        common = len(self._in_batch.match_prefix(req.tokens(0, limit), req.namespace).slots)
         shared = self.kv.aligned(common)
         gain = shared - cached
         return gain > 0 and (gain >= IN_BATCH_SHARE_THRESHOLD or shared == self.kv.aligned(limit))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.cache.tree_view import summary_rows
 from radixserve.ipc import messages as m
+from radixserve.scheduler.adapters import COMMANDS as ADAPTER_COMMANDS
 
 if TYPE_CHECKING:
     from collections import deque
@@ -86,6 +87,9 @@ class SchedulerControl:
             tokenizer_path=tokenizer_path,
             torch_threads=torch_threads,
             disaggregation_mode=self.args.disaggregation_mode,
+            lora_enabled=self.runner.lora is not None,
+            lora_adapters={} if self.runner.lora is None else self.runner.lora.listing(),
+            max_lora_rank=0 if self.runner.lora is None else self.runner.lora.max_rank,
         )
 
     def record_near_miss(self, req: Req) -> None:
@@ -234,6 +238,7 @@ COMMANDS: dict[str, Callable[[Any, Any], Result]] = {
     "kv_events_snapshot": _kv_events_snapshot,
     m.UnpinReq.TYPE: _unpin,
     m.CacheTreeReq.TYPE: _cache_tree,
+    **ADAPTER_COMMANDS,
 }
 CONTROL_MESSAGES = (m.ControlReq, *m.CONTROL_WITH_ARGS.values())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from radixserve.ipc.messages import ErrorOut, FinishReason, GenerateReq
+from radixserve.scheduler.adapters import NOT_ENABLED
 from radixserve.scheduler.request import PromptLogprobs, Req, ReqState
 from radixserve.validation import check_input_ids
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from collections import deque
 
     from radixserve.config import ServerArgs
+    from radixserve.executor.model_runner import ModelRunner
     from radixserve.scheduler.constraints import Constraints
     from radixserve.scheduler.kv_manager import KVManager
     from radixserve.scheduler.stats import SchedulerStats
@@ -32,6 +34,7 @@ class RequestIntake:
     running: list[Req]
     chunked: Req | None
     kv: KVManager
+    runner: ModelRunner
     constraints: Constraints
     stats: SchedulerStats
     vocab_size: int
@@ -56,6 +59,15 @@ class RequestIntake:
             )
         except ValueError as e:
             return ErrorOut(rid=msg.rid, message=str(e), status=400)
+        lora = None
+        if msg.lora is not None:
+            pool = self.runner.lora
+            if pool is None:
+                return ErrorOut(rid=msg.rid, message=NOT_ENABLED, status=400)
+            lora = pool.adapters.get(msg.lora)
+            if lora is None:
+                return ErrorOut(rid=msg.rid, status=404,
+                                message=f"the LoRA adapter {msg.lora!r} is not loaded")
         limit = self.args.max_queued_requests
         # Requests that arrived this step wait until the next admission even when a running
         # place is free for them: only those beyond the free places count as queued.
@@ -76,6 +88,7 @@ class RequestIntake:
             msg.stream,
             extra_key=msg.extra_key,
             priority=msg.priority,
+            lora=lora,
         )
         req.pin, req.pin_ttl = msg.pin, msg.pin_ttl
         req.return_cache_report = msg.return_cache_report

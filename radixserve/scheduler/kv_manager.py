@@ -78,7 +78,7 @@ class KVManager:
 
     def match(self, req: Req) -> tuple[np.ndarray, object]:
         """Longest cached prefix of ``fill_ids[:match_limit(req)]`` (page aligned)."""
-        result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.extra_key)
+        result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.namespace)
         return result.slots, result.node
 
     def admit(self, req: Req, page_budget: int | None = None) -> bool:
@@ -90,7 +90,7 @@ class KVManager:
         row = self.req_pool.alloc()
         if row is None:
             return False
-        result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.extra_key)
+        result = self.tree.match_prefix(req.tokens(0, self.match_limit(req)), req.namespace)
         deepest = result.host_nodes[-1] if result.host_nodes else result.node
         # Where the match stopped matters for a near-miss (a match that split a cached run) or
         # a report asked for.  An earlier attempt to admit the request may have made the split.
@@ -188,9 +188,9 @@ class KVManager:
             assert self.tiers is not None
             state = req.kv.tiers = req.kv.tiers or ReqTiers()
             self.tiers.write_through(
-                state, req.tokens(0, req.kv.computed_len), req.extra_key, row_slots
+                state, req.tokens(0, req.kv.computed_len), req.namespace, row_slots
             )
-        present = self.tree.insert(req.tokens(0, req.kv.computed_len), row_slots, req.extra_key)
+        present = self.tree.insert(req.tokens(0, req.kv.computed_len), row_slots, req.namespace)
         if present > req.kv.cached_len:
             self.allocator.free_slots(row_slots[req.kv.cached_len : present])
         return aligned
@@ -200,7 +200,7 @@ class KVManager:
         aligned = self._insert(req)
         if aligned == req.kv.cached_len:
             return
-        result = self.tree.match_prefix(req.tokens(0, aligned), req.extra_key)
+        result = self.tree.match_prefix(req.tokens(0, aligned), req.namespace)
         if len(result.slots) != aligned:
             raise RuntimeError(f"tree lost a just-inserted prefix of {req!r}")
         # Row [0, aligned): the tree's slots (ours in [cached_len, present) were just freed).
@@ -232,7 +232,7 @@ class KVManager:
         req.kv.computed_len = req.kv.cached_len = req.kv.allocated_len = 0
         if tokens is not None:  # the part no other request holds leaves the device now
             assert self.tiers is not None
-            held = self.tiers.swap_out(self.tree.match_prefix(tokens, req.extra_key).node)
+            held = self.tiers.swap_out(self.tree.match_prefix(tokens, req.namespace).node)
             if held is not None:  # held for it until it is back (or aborted)
                 req.kv.swap_hold = held
 
@@ -255,7 +255,7 @@ class KVManager:
         if self.disk is None or self.tiers is None:
             return
         state = req.kv.tiers = req.kv.tiers or ReqTiers()
-        self.tiers.prefetch(state, req.tokens(0, self.match_limit(req)), req.extra_key)
+        self.tiers.prefetch(state, req.tokens(0, self.match_limit(req)), req.namespace)
 
     @staticmethod
     def loading(req: Req) -> bool:
@@ -271,7 +271,7 @@ class KVManager:
                 continue
             assert self.tiers is not None
             held = self.tiers.land(
-                state, req.tokens(0), req.extra_key, hold=req.kv.swap_hold is None
+                state, req.tokens(0), req.namespace, hold=req.kv.swap_hold is None
             )
             if held is not None:
                 req.kv.swap_hold = held

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from radixserve.cache.namespace import cache_namespace
 from radixserve.ipc.messages import Bootstrap, FinishReason, PinResult
 from radixserve.speculative.base import SpecState
 from radixserve.validation import check_logprob_start_len
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from radixserve.cache.tiers import ReqTiers
     from radixserve.cache.tree_view import Divergence
     from radixserve.grammar import RequestGrammar
+    from radixserve.lora.adapter import LoraAdapter
     from radixserve.sampling import SamplingParams
 
 
@@ -95,6 +97,7 @@ class Req:
         stream: bool = False,
         extra_key: str = "",
         priority: int = 0,
+        lora: LoraAdapter | None = None,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -107,6 +110,11 @@ class Req:
         self.stream = stream
         # The cache namespace (``cache_salt``): prefixes are shared only within one.
         self.extra_key = extra_key
+        # Its LoRA adapter (None: the base model), the adapter's slot while it runs, and the
+        # tree namespace its prefixes live in: the salt and the adapter together.
+        self.lora_name = None if lora is None else lora.name
+        self.lora_slot = -1
+        self.namespace = cache_namespace(extra_key, None if lora is None else lora.key_name)
         self.priority = priority  # the ``priority`` policy's level (see scheduler/policy.py)
         self.pin = False  # pin the cached prompt when finished (scheduler/pins.py)
         self.pin_ttl: float | None = None

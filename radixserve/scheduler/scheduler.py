@@ -15,6 +15,8 @@ import torch
 from radixserve.config import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.ipc.messages import ErrorOut, FinishReason, TokenOut
+from radixserve.lora.slots import LoraPool
+from radixserve.scheduler.adapters import SchedulerAdapters
 from radixserve.scheduler.admission import PrefillAdder, reserve_tokens
 from radixserve.scheduler.constraints import Constraints
 from radixserve.scheduler.control import SchedulerControl
@@ -38,7 +40,7 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 NEAR_MISS_RING = 64  # recent near-misses kept for /cache/misses
 
 
-class Scheduler(SchedulerControl, RequestIntake):
+class Scheduler(SchedulerControl, RequestIntake, SchedulerAdapters):
     def __init__(
         self, args: ServerArgs, model: torch.nn.Module, model_config: Any, tokenizer: Any | None
     ) -> None:
@@ -76,6 +78,8 @@ class Scheduler(SchedulerControl, RequestIntake):
                     "the %s attention backend has no CUDA-graph decode: decode runs eagerly",
                     args.attention_backend,
                 )
+        if args.enable_lora:
+            self.runner.lora = LoraPool.from_args(args, model_config, self.dtype, self.device)
         self.stop_checker = StopChecker(
             set(model_config.eos_token_ids), self.context_len, tokenizer
         )
@@ -238,6 +242,8 @@ class Scheduler(SchedulerControl, RequestIntake):
                 return adder.plan.entries
         admitted: set[int] = set()
         for req in self.policy.order(self._admissible(), self.kv):
+            if not self.take_lora_slot(req):  # every adapter slot is in use: it waits
+                continue
             verdict = adder.add_waiting(req)
             if verdict == "stop":
                 break
@@ -250,6 +256,9 @@ class Scheduler(SchedulerControl, RequestIntake):
                 if req.num_retractions == 0:
                     self.stats.prompt_tokens += req.prompt_len
                     self.stats.cached_tokens += req.hit.tokens or 0
+                    if req.lora_name is not None:
+                        self.stats.record_adapter(req.lora_name, req.prompt_len,
+                                                  req.hit.tokens or 0)
                     if req.hit.divergence is not None and req.hit.divergence.near_miss:
                         self.record_near_miss(req)
                     if self.tiers is not None and req.hit.by_tier:
@@ -340,7 +349,7 @@ class Scheduler(SchedulerControl, RequestIntake):
         self.kv.release(req, cache=True)
         if req.pin:  # its prompt is in the tree now, and nothing ran in between
             req.pin_result = self.pins.pin(
-                req.tokens(0, req.prompt_len), req.extra_key, req.pin_ttl
+                req.tokens(0, req.prompt_len), req.namespace, req.pin_ttl
             )
         req.state = ReqState.FINISHED
         self.stats.requests_finished += 1

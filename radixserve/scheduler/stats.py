@@ -31,6 +31,13 @@ class SchedulerStats:
     overhead_by_batch: dict[str, list[float]] = field(default_factory=dict)
     decode_only_seconds: float = 0.0  # whole decode-only steps: decode speed without prefill
     decode_only_tokens: int = 0  # tokens those steps decoded
+    # Per LoRA adapter: [prompt tokens, of them served from the tree] at first admission.
+    adapter_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    def record_adapter(self, name: str, prompt_tokens: int, cached_tokens: int) -> None:
+        entry = self.adapter_tokens.setdefault(name, [0, 0])
+        entry[0] += prompt_tokens
+        entry[1] += cached_tokens
 
     def record_step(
         self, batch_size: int, decode_only: bool, step_s: float, forward_s: float, tokens: int
@@ -51,6 +58,10 @@ class SchedulerStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["cache_hit_rate"] = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        d["adapter_cache_hit_rate"] = {
+            name: cached / prompt if prompt else 0.0
+            for name, (prompt, cached) in self.adapter_tokens.items()
+        }
         d["overhead_ms_per_step"] = (
             1000 * (self.step_seconds - self.forward_seconds) / self.forward_steps
             if self.forward_steps

@@ -1,4 +1,4 @@
-"""Smoke test of bench/gguf.py (radixserve and llama-server on built GGUF files): the files
+"""Smoke test of bench/gguf_files.py (radixserve and llama-server on built GGUF files): the files
 bench/gguf_model.py writes, llama.cpp's per-tensor type rule, and a quick run's report against
 radixserve alone (llama.cpp is not installed here); no timing assertion."""
 
@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import gguf as bench  # noqa: E402
+from bench import gguf_files as bench  # noqa: E402
 from bench import gguf_model  # noqa: E402
 
 

@@ -195,7 +195,7 @@ def test_oversized_and_malformed_bodies_and_unknown_model(server, client) -> Non
     assert r.status_code == 413 and _anthropic_error(r) == "request_too_large"
     r = post_raw(server, "/v1/messages", b"{not json")
     assert r.status_code == 400 and _anthropic_error(r) == "invalid_request_error"
-    with pytest.raises(anthropic.BadRequestError, match="does not exist"):
+    with pytest.raises(anthropic.NotFoundError, match="does not exist"):
         client.messages.create(model="claude-nope", max_tokens=4, messages=ASK)
     r = post_raw(server, "/v1/chat/completions", {"model": "tiny", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # OpenAI's shape

@@ -38,7 +38,7 @@ BAD_REQUESTS = [
     Bad("non-utf8 body", CHAT, b'{"model": "tiny", "messages": "\xff\xfe"}', 400, None, "error parsing the body"),
     Bad("body is a list", CHAT, b"[1, 2, 3]", 400, None, "valid dictionary"),
     Bad("empty body", CHAT, b"", 400, None, "the request body is missing"),
-    Bad("unknown model", CHAT, {"model": "gpt-9", "messages": MSG}, 400, "model", "'gpt-9' does not exist",
+    Bad("unknown model", CHAT, {"model": "gpt-9", "messages": MSG}, 404, "model", "'gpt-9' does not exist",
         code="model_not_found"),
     Bad("missing messages", CHAT, {"model": "tiny"}, 400, "messages", "missing required field 'messages'"),
     Bad("empty messages", CHAT, {"model": "tiny", "messages": []}, 400, "messages", "'messages'"),

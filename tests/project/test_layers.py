@@ -126,7 +126,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scheduler", "detokenizer"),
     ("speculative", "executor"),
     ("model",),
-    ("attention", "distributed"),
+    ("attention", "distributed", "lora"),
     ("quantization", "batch"),
     ("cache", "ipc", "chat", "grammar", "tokenizer"),
     ("schema",),

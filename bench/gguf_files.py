@@ -35,9 +35,9 @@ A server that refuses a file is a row with its error (``failed`` in the table). 
 want every core they are given: other work on the machine slows them (llama.cpp's spinning
 threads most), so each row records the 1-minute load average before and after it.
 
-    python bench/gguf.py --llama-server PATH --llama-quantize PATH     # every file, both servers
-    python bench/gguf.py --files Q4_0,Q8_0           # radixserve only, gguf-package files
-    python bench/gguf.py --quick --files Q8_0,Q4_K_M # tiny shape, 1 turn: a smoke run
+    python bench/gguf_files.py --llama-server PATH --llama-quantize PATH     # every file, both servers
+    python bench/gguf_files.py --files Q4_0,Q8_0           # radixserve only, gguf-package files
+    python bench/gguf_files.py --quick --files Q8_0,Q4_K_M # tiny shape, 1 turn: a smoke run
 """
 
 from __future__ import annotations
@@ -54,11 +54,6 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-
-# Run as a script, this file's folder comes first on the path, and this file would shadow the
-# ``gguf`` package it reads and writes with.
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a source checkout
