@@ -14,8 +14,8 @@ run, a fresh engine per row:
 
 and for each: wall seconds, output tokens per second, decode ms per step (decode-only steps
 of the batch), the cache hit rate (prompt tokens served from the tree, over all requests and
-the lowest of the adapters'), and one request alone: decode ms/token on its adapter (the base
-model on the base rows).
+the lowest of the adapters'), and one request alone (``4 * --output-len`` tokens, the median
+of 3): decode ms/token on the first adapter (the base model in the base rows).
 
     python bench/lora.py            # 64 requests, system 1024, output 64
     python bench/lora.py --quick    # tiny smoke run
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ if str(REPO) not in sys.path:  # run as a script from a source checkout
 from bench.agent import conversation  # noqa: E402
 from bench.common import align_columns, args_params, machine_info, write_report  # noqa: E402
 
+ALONE_RUNS = 3
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
                "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -128,10 +130,13 @@ def run_row(args: argparse.Namespace, name: str, paths: dict[str, str], used: li
         wall = time.perf_counter() - t0
         after = engine.get_stats()
         step_ms, _ = _decode(before, after)
-        alone = {"max_new_tokens": 2 * args.output_len, "temperature": 0, "ignore_eos": True}
-        before_one = engine.get_stats()
-        engine.generate(prompts[0] + " Once more.", alone, lora_path=used[0] if used else None)
-        _, token_ms = _decode(before_one, engine.get_stats())
+        alone = {"max_new_tokens": 4 * args.output_len, "temperature": 0, "ignore_eos": True}
+        token_ms = []
+        for i in range(ALONE_RUNS):  # one request at a time, its decode speed (median of 3)
+            before_one = engine.get_stats()
+            engine.generate(prompts[i % len(prompts)] + " Once more.", alone,
+                            lora_path=used[0] if used else None)
+            token_ms.append(_decode(before_one, engine.get_stats())[1])
     out_tokens = sum(len(o["output_ids"]) for o in outs)
     hit = after["cached_tokens"] - before["cached_tokens"]
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
@@ -139,7 +144,8 @@ def run_row(args: argparse.Namespace, name: str, paths: dict[str, str], used: li
     return {
         "config": name, "adapters": len(used), "requests": len(prompts),
         "wall_s": wall, "output_tokens": out_tokens, "tokens_per_s": out_tokens / wall,
-        "decode_ms_per_step": step_ms, "one_request_decode_ms_per_token": token_ms,
+        "decode_ms_per_step": step_ms,
+        "one_request_decode_ms_per_token": statistics.median(token_ms),
         "cache_hit_rate": hit / prompt if prompt else 0.0,
         "adapter_cache_hit_rate": {n: per_adapter[n] for n in used if n in per_adapter},
         "lowest_adapter_hit_rate": min((per_adapter[n] for n in used if n in per_adapter),

@@ -113,8 +113,9 @@ class _MessagesCall:
 
     async def keep_pins(self) -> None:
         namespace = self.call.body.cache_salt or ""
+        lora = self.call.st.adapter_of(self.call.body.model)
         for tokens, ttl in self.pins:
-            await keep_warm(self.call.st, self.call.ids[:tokens], namespace, ttl)
+            await keep_warm(self.call.st, self.call.ids[:tokens], namespace, ttl, lora)
 
     def head(self) -> dict[str, Any]:
         return {"id": self.mid, "type": "message", "role": "assistant",

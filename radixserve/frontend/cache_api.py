@@ -72,15 +72,17 @@ async def unpin(body: CachePinRequest, request: Request) -> JSONBytesResponse:
     return JSONBytesResponse({"success": True, "unpinned": result["unpinned"]})
 
 
-async def keep_warm(st: ServerState, ids: list[int], namespace: str, ttl: float) -> bool:
+async def keep_warm(st: ServerState, ids: list[int], namespace: str, ttl: float,
+                    lora: str | None = None) -> bool:
     """Pin the cached path of ``ids`` for ``ttl`` seconds, replacing the pins of exactly
     these ids that an earlier call made (so a prefix that every turn marks holds one pin
     whose TTL restarts).  The other APIs' cache hints (Anthropic's ``cache_control``, stored
     Responses) use it; a pin refused (the cap, nothing cached) is logged and is no error:
-    the hint is best effort, as in the APIs that define it."""
-    await st.tm.control("unpin", input_ids=ids, extra_key=namespace)
+    the hint is best effort, as in the APIs that define it.  ``lora``: the adapter whose KV
+    the request computed (its own namespace)."""
+    await st.tm.control("unpin", input_ids=ids, extra_key=namespace, lora=lora)
     try:
-        await st.tm.pin(ids, SchedulingHints(namespace, pin_ttl=ttl))
+        await st.tm.pin(ids, SchedulingHints(namespace, pin_ttl=ttl, lora=lora))
     except InvalidRequestError as e:
         logger.info("a cache hint's pin of %d tokens was not made: %s", len(ids), e)
         return False

@@ -36,6 +36,7 @@ class StoredResponse:
     ids: list[int] = field(default_factory=list)
     pinned: bool = False  # ``ids`` are pinned in the radix tree
     salt: str = ""  # the cache namespace of the pin
+    lora: str | None = None  # and its LoRA adapter
     size: int = 0
 
     def __post_init__(self) -> None:

@@ -131,17 +131,18 @@ class _ResponsesCall:
         ids = self.call.ids + output_ids
         pinned = st.args.response_pin_ttl > 0
         salt = self.body.cache_salt or ""
+        lora = st.adapter_of(self.body.model)
         entry = StoredResponse(response, [*turn, assistant_message(text, calls, reasoning)],
-                               ids, pinned, salt)
+                               ids, pinned, salt, lora)
         if pinned:
-            await keep_warm(st, ids, salt, st.args.response_pin_ttl)
+            await keep_warm(st, ids, salt, st.args.response_pin_ttl, lora)
         for gone in st.responses.put(self.namespace, self.rid, entry):
             await _unpin(st, gone)
 
 
 async def _unpin(st: ServerState, entry: StoredResponse) -> None:
     if entry.pinned:
-        await st.tm.control("unpin", input_ids=entry.ids, extra_key=entry.salt)
+        await st.tm.control("unpin", input_ids=entry.ids, extra_key=entry.salt, lora=entry.lora)
 
 
 def _prepare(st: ServerState, body: ResponsesRequest, request: Request) -> _ResponsesCall:

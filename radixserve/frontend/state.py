@@ -116,6 +116,14 @@ class ServerState:
             lora = lora_path
         return lora
 
+    def adapter_of(self, name: str | None) -> str | None:
+        """The LoRA adapter ``model`` names, or None (the base model, or an adapter unloaded
+        since the request was checked): for what follows a request, such as its pins."""
+        try:
+            return self.check_model(name)
+        except APIError:
+            return None
+
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
                 sampling: dict[str, Any] | None, check_total: bool = False,
                 logprob_start_len: int = -1,

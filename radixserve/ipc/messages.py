@@ -139,12 +139,14 @@ class PinResult:
     cache_salt: str | None = None
     expires_in: float | None = None  # seconds; None: until unpinned
     error: str | None = None
+    lora: str | None = None  # the LoRA adapter whose namespace holds the pin
 
     def to_dict(self) -> dict[str, Any]:
         if self.error is not None:
             return {"error": self.error}
-        return {"pin_id": self.pin_id, "tokens": self.tokens, "cache_salt": self.cache_salt,
-                "expires_in": self.expires_in}
+        d = {"pin_id": self.pin_id, "tokens": self.tokens, "cache_salt": self.cache_salt,
+             "expires_in": self.expires_in}
+        return d if self.lora is None else {**d, "lora": self.lora}
 
 
 @dataclass
@@ -277,6 +279,7 @@ class UnpinReq:
     pin_id: str | None = None
     input_ids: list[int] | None = None
     extra_key: str = ""
+    lora: str | None = None  # the pins of this LoRA adapter's namespace (None: the base model)
 
 
 @message("cache_tree")

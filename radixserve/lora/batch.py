@@ -2,10 +2,10 @@
 
 A batch mixes the base model (slot -1) and several adapters.  Each fused module's output
 gains ``b[s] (a[s] x)`` on the rows of slot ``s`` (``lora/slots.py`` holds a and b):
-- a few rows on a CPU: one C++ call per module, a gather over the rows' slots
-  (``cpu_ext/lora_ops.cpp``);
+- up to 256 rows on a CPU (decode and mixed steps): one C++ call per module, a gather over the
+  rows' slots (``cpu_ext/lora_ops.cpp``);
 - on a GPU: the Triton kernels (``kernels/lora.py``), the same gather;
-- otherwise (many-row steps on a CPU): two matmuls per segment of rows that share a slot, a
+- otherwise (prefill chunks on a CPU): two matmuls per segment of rows that share a slot, a
   slice when the segment's rows are contiguous (the usual case: requests are laid out one after
   another), else a gather and an ``index_add_``.
 The fused C++ decode layers (``model/fused_decode.py``) take the same gather kernel inside
@@ -24,8 +24,10 @@ from radixserve import cpu_ext
 from radixserve.lora.slots import FUSED_MODULES, LoraPool
 from radixserve.transfer import Upload
 
-# Rows up to which a CPU step runs the C++ gather kernel; a longer step's segments are matmuls.
-CPU_KERNEL_MAX_ROWS = 16
+# Rows up to which a CPU step runs the C++ gather kernel (it reads each row's A and B from the
+# cache, where matmuls per segment pay their per-call cost per adapter); a longer step (a
+# prefill chunk) runs a matmul per segment.
+CPU_KERNEL_MAX_ROWS = 256
 _EMPTY = torch.empty(0)
 
 

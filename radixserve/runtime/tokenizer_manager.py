@@ -46,7 +46,9 @@ class InvalidRequestError(RequestError, ValueError):
 
 
 def request_error(message: str, status: int) -> RequestError:
-    return InvalidRequestError(message) if status == 400 else RequestError(message, status)
+    if 400 <= status < 500:  # the request's fault (a bad field, an adapter not loaded)
+        return InvalidRequestError(message, status)
+    return RequestError(message, status)
 
 
 MAX_EXTRA_KEY_CHARS = 1024

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from radixserve.cache.namespace import cache_namespace
 from radixserve.ipc import messages as m
 
 if TYPE_CHECKING:
@@ -46,6 +47,14 @@ class SchedulerAdapters:
     def _live_adapters(self) -> set[str]:
         return {r.lora_name for r in self.reqs.values()
                 if r.lora_name is not None and r.kv.row is not None}
+
+    def adapter_namespace(self, salt: str, name: str | None) -> str | None:
+        """The tree namespace of requests with this salt and adapter (None: the adapter is not
+        loaded)."""
+        if name is None:
+            return salt
+        adapter = None if self.loras is None else self.loras.adapters.get(name)
+        return None if adapter is None else cache_namespace(salt, adapter.key_name)
 
     def load_adapter(self, name: str, path: str) -> dict[str, Any]:
         if self.loras is None:

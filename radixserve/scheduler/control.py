@@ -207,7 +207,10 @@ def _stop_profile(sched: SchedulerControl, msg: m.ControlReq) -> Result:
 
 
 def _unpin(sched: SchedulerControl, msg: m.UnpinReq) -> Result:
-    return {"unpinned": sched.pins.unpin(msg.pin_id, msg.input_ids, msg.extra_key)}
+    namespace = sched.adapter_namespace(msg.extra_key, msg.lora)
+    if namespace is None:  # an adapter that is not loaded holds no pins
+        return {"unpinned": []}
+    return {"unpinned": sched.pins.unpin(msg.pin_id, msg.input_ids, namespace)}
 
 
 def _kv_events_snapshot(sched: SchedulerControl, msg: m.ControlReq) -> Result:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from radixserve.cache.namespace import split_namespace
 from radixserve.cache.radix_tree import RadixCache, TreeNode
 from radixserve.ipc.messages import PinResult
 
@@ -26,13 +27,15 @@ class Pin:
     pin_id: str
     node: TreeNode  # deepest node of the pinned path
     key: bytes  # the token ids asked for (int64 bytes): unpinning by content compares these
-    namespace: str  # cache salt
+    namespace: str  # cache salt and LoRA adapter (cache/namespace.py)
     tokens: int  # length of the pinned path
     expires_at: float | None  # time.monotonic() deadline
 
     def describe(self, now: float) -> dict[str, Any]:
-        return {"pin_id": self.pin_id, "tokens": self.tokens, "cache_salt": self.namespace or None,
-                "expires_in": None if self.expires_at is None else max(0.0, self.expires_at - now)}
+        salt, adapter = split_namespace(self.namespace)
+        d = {"pin_id": self.pin_id, "tokens": self.tokens, "cache_salt": salt or None,
+             "expires_in": None if self.expires_at is None else max(0.0, self.expires_at - now)}
+        return d if adapter is None else {**d, "lora": adapter}
 
 
 class Pins:

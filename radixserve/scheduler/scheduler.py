@@ -258,7 +258,7 @@ class Scheduler(SchedulerControl, RequestIntake, SchedulerAdapters):
                     self.stats.cached_tokens += req.hit.tokens or 0
                     if req.lora_name is not None:
                         self.stats.record_adapter(req.lora_name, req.prompt_len,
-                                                  req.hit.tokens or 0)
+                                                  req.hit.tokens or 0, req.hit.by_tier)
                     if req.hit.divergence is not None and req.hit.divergence.near_miss:
                         self.record_near_miss(req)
                     if self.tiers is not None and req.hit.by_tier:

@@ -31,13 +31,19 @@ class SchedulerStats:
     overhead_by_batch: dict[str, list[float]] = field(default_factory=dict)
     decode_only_seconds: float = 0.0  # whole decode-only steps: decode speed without prefill
     decode_only_tokens: int = 0  # tokens those steps decoded
-    # Per LoRA adapter: [prompt tokens, of them served from the tree] at first admission.
+    # Per LoRA adapter: [prompt tokens, of them served from the tree] at first admission, and
+    # the cached ones by the tier that held them (with --host-cache-size / --disk-cache-dir).
     adapter_tokens: dict[str, list[int]] = field(default_factory=dict)
+    adapter_tier_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def record_adapter(self, name: str, prompt_tokens: int, cached_tokens: int) -> None:
+    def record_adapter(self, name: str, prompt_tokens: int, cached_tokens: int,
+                       by_tier: dict[str, int] | None) -> None:
         entry = self.adapter_tokens.setdefault(name, [0, 0])
         entry[0] += prompt_tokens
         entry[1] += cached_tokens
+        tiers = self.adapter_tier_tokens.setdefault(name, {})
+        for tier, n in (by_tier or {}).items():
+            tiers[tier] = tiers.get(tier, 0) + n
 
     def record_step(
         self, batch_size: int, decode_only: bool, step_s: float, forward_s: float, tokens: int

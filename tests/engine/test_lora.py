@@ -256,3 +256,41 @@ def test_default_model_with_an_adapter_matches_peft(default_model_path, default_
         same = sum(a == b for out, ref in zip(outs, refs, strict=True)
                    for a, b in zip(out, ref, strict=True))
         assert same >= 0.95 * sum(len(r) for r in refs), (outs, refs)
+
+
+def test_per_tier_counters_name_the_adapter(tiny_model_dir, adapters) -> None:
+    """With a host tier, an adapter's cached tokens are counted by the tier that held them."""
+    paths, _ = adapters("llama")
+    sched = make_scheduler(tiny_model_dir("llama"), lora_paths=[f"a={paths['a']}"],
+                           host_cache_size=4096, max_total_tokens=4096)
+    for _ in range(2):
+        rid = submit(sched, PROMPTS[2], {"lora": "a"}, max_new_tokens=2)
+        cached = run_until_idle(sched)[rid]["meta"]["cached_tokens"]
+    stats = sched.get_stats()
+    assert cached > 0 and sum(stats["adapter_tier_tokens"]["a"].values()) == cached
+    assert stats["adapter_tokens"]["a"][1] == cached
+
+
+def test_engine_loads_serves_and_unloads_adapters(tiny_chat_model, tmp_path) -> None:
+    """The Python API over the real processes: ``lora_path`` per prompt, load and unload."""
+    from radixserve import Engine
+
+    path = write_adapter(tiny_chat_model, str(tmp_path / "a"), r=8, alpha=16, seed=5)
+    prompts = [[1, 520, 3400, 92, 18], [1, 7001, 311, 45]]
+    ref, base = peft_greedy(tiny_chat_model, path, prompts[:1], N)[0], peft_greedy(
+        tiny_chat_model, None, prompts[1:], N)[0]
+    greedy = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_chat_model, dtype="float32", enable_lora=True, max_lora_rank=8,
+                max_total_tokens=4096) as engine:
+        assert engine.lora_adapters()["adapters"] == {}
+        with pytest.raises(ValueError, match="not loaded"):
+            engine.generate(input_ids=prompts[0], sampling_params=greedy, lora_path="a")
+        assert engine.load_lora_adapter("a", path) == {"a": path}
+        with pytest.raises(ValueError, match="not a folder"):
+            engine.load_lora_adapter("x", path + "-missing")
+        outs = engine.generate(input_ids=prompts, sampling_params=greedy, lora_path=["a", None])
+        assert [o["output_ids"] for o in outs] == [ref, base]
+        assert engine.unload_lora_adapter("a") == {}
+        with pytest.raises(ValueError, match="not loaded"):
+            engine.unload_lora_adapter("a")
+        assert engine.check_memory()["ok"]

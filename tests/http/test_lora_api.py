@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from helpers.api_clients import anthropic_client
+from helpers.api_clients import anthropic_client, server_pins
 from helpers.lora_adapters import peft_greedy, write_adapter
 from helpers.server import check_memory_idle, openai_client, serving, wait_idle
 
@@ -85,6 +85,11 @@ def test_adapter_output_equals_peft(server, adapters, tiny_chat_model) -> None:
     assert reply.stop_reason == "max_tokens"
     response = client.responses.create(model="tiny:a", input="Hi", max_output_tokens=4)
     assert response.status == "incomplete"
+    # the stored conversation is pinned in the adapter's namespace, and deleting it unpins it
+    pins = server_pins(server)
+    assert [p.get("lora") for p in pins] == ["a"], pins
+    client.responses.delete(response.id)
+    assert server_pins(server) == []
 
 
 def test_unknown_adapters_are_404(server) -> None:
