@@ -2,8 +2,9 @@
 one), which smg's load monitor polls (``?include=core``) for its load-aware policies and its
 ``/get_loads``.  The core keys are SGLang's, with the same meaning: requests running and
 waiting, KV tokens in use (the pool less its free and evictable part), their share of the pool,
-and counters since start; the sections (``memory``, ``spec``, ``disagg``, ``queues``) follow
-SGLang's names and are left out unless asked for (``all`` is the default)."""
+and counters since start; the sections (``memory``, ``spec``, ``lora``, ``disagg``,
+``queues``) follow SGLang's names and are left out unless asked for (``all`` is the
+default)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,10 @@ def load_snapshot(
             "accept_length": stats["spec_accept_length"],
             "accept_rate": stats["spec_accepted_tokens"] / max(1, stats["spec_draft_tokens"]),
         }
+    if (every or "lora" in include) and info.lora_enabled:
+        # per LoRA adapter: its requests' prompt tokens and the share served from the cache
+        load["lora"] = {"adapter_tokens": stats.get("adapter_tokens", {}),
+                        "adapter_cache_hit_rate": stats.get("adapter_cache_hit_rate", {})}
     if every or "disagg" in include:
         # a prefill or decode worker's transfers: counts, bytes moved, seconds spent
         # (radixserve/disagg)

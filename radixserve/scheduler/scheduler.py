@@ -52,6 +52,9 @@ class Scheduler(SchedulerControl, RequestIntake, SchedulerAdapters):
         self.context_len = args.context_length or model_config.max_context_len
         self.vocab_size = model_config.vocab_size
 
+        # the adapters' slots first: on a GPU the KV pool is sized from the memory left
+        loras = (LoraPool.from_args(args, model_config, self.dtype, self.device)
+                 if args.enable_lora else None)
         mem = KVMemory.build(args, model, model_config, self.device, self.dtype)
         self.pool_tokens = mem.pool_tokens
         self.max_running = mem.max_running
@@ -68,6 +71,7 @@ class Scheduler(SchedulerControl, RequestIntake, SchedulerAdapters):
         self.runner = ModelRunner(
             model, self.vocab_size, kv_pool, self.req_pool, args.attention_backend, self.device
         )
+        self.runner.lora = loras
         if args.cuda_graph_max_bs and self.device.type == "cuda" and args.tp_size == 1:
             if self.runner.backend.supports_cuda_graphs:
                 self.runner.use_decode_graphs(
@@ -78,8 +82,6 @@ class Scheduler(SchedulerControl, RequestIntake, SchedulerAdapters):
                     "the %s attention backend has no CUDA-graph decode: decode runs eagerly",
                     args.attention_backend,
                 )
-        if args.enable_lora:
-            self.runner.lora = LoraPool.from_args(args, model_config, self.dtype, self.device)
         self.stop_checker = StopChecker(
             set(model_config.eos_token_ids), self.context_len, tokenizer
         )

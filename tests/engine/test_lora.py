@@ -80,6 +80,26 @@ def test_each_path_of_the_products(tiny_model_dir, adapters, monkeypatch) -> Non
     assert _run(sched, jobs) == [refs[name][PROMPTS.index(p)] for p, name in jobs]
 
 
+def test_retraction_with_adapters_keeps_each_requests_tokens(tiny_model_dir, adapters) -> None:
+    """Requests of three adapters outgrow a 256-token pool (pages 4) and two slots: retracted
+    requests come back (their adapter reloaded into a slot if it left) with peft's tokens."""
+    paths, _ = adapters("llama")
+    folder = tiny_model_dir("llama")
+    prompts = random_prompts(6, 16, 24, seed=11)
+    names = ["a", "b", "c", "a", "b", "c"]
+    mine = {n: [p for p, m in zip(prompts, names, strict=True) if m == n] for n in paths}
+    refs = {n: peft_greedy(folder, paths[n], mine[n], 50) for n in paths}
+    sched = make_scheduler(folder, lora_paths=[f"{n}={p}" for n, p in paths.items()],
+                           max_loras_per_batch=2, page_size=4, max_total_tokens=256)
+    rids = [submit(sched, p, {"lora": n}, max_new_tokens=50, ignore_eos=True)
+            for p, n in zip(prompts, names, strict=True)]
+    results = run_until_idle(sched)
+    assert sched.get_stats()["retractions"] > 0
+    for name in paths:
+        got = [results[r]["output_ids"] for r, n in zip(rids, names, strict=True) if n == name]
+        assert got == refs[name], name
+
+
 def test_triton_kernels_serve_a_mixed_batch(tiny_model_dir, adapters, monkeypatch) -> None:
     """The GPU path (``kernels/lora.py``) run by the Triton interpreter on the CPU: the same
     tokens as transformers + peft for a batch of base and adapter rows."""

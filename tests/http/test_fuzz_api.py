@@ -45,7 +45,10 @@ ROUTES = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions",
           "POST /cache/unpin", "GET /cache/tree", "GET /cache/misses",
           "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
           "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
-          "POST /v1/responses/{response_id}/cancel"}
+          "POST /v1/responses/{response_id}/cancel",
+          # without --enable-lora every load and unload is a 400 (whole-schema cases only)
+          "POST /load_lora_adapter", "POST /v1/load_lora_adapter", "POST /unload_lora_adapter",
+          "POST /v1/unload_lora_adapter"}
 
 
 @pytest.fixture(scope="module")

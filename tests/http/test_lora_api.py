@@ -92,6 +92,14 @@ def test_adapter_output_equals_peft(server, adapters, tiny_chat_model) -> None:
     assert server_pins(server) == []
 
 
+def test_loads_report_each_adapters_cache_hits(server) -> None:
+    _generate(server, lora_path="a")
+    _generate(server, lora_path="a")
+    lora = httpx.get(server.base_url + "/v1/loads?include=lora", timeout=30).json()
+    counts = lora["loads"][0]["lora"]["adapter_tokens"]["a"]
+    assert counts[0] >= 2 * len(PROMPT) and 0 < counts[1] <= counts[0]
+
+
 def test_unknown_adapters_are_404(server) -> None:
     client = openai_client(server)
     with pytest.raises(openai.NotFoundError) as info:
