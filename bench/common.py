@@ -114,10 +114,19 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     print(f"wrote {out}")
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port that this process has not handed out before: the OS may give a
+    port back as soon as it is closed, and a server told two equal ports fails to start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 class Launched:

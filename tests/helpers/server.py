@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,11 +24,11 @@ import openai
 import psutil
 import pytest
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:  # ``bench`` importable from any test module
+    sys.path.insert(0, REPO)
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.common import free_port  # noqa: E402, F401 - the tests' ports too
 
 
 def build_chat_tiny_model(default_model_dir: str, folder: str, seed: int = 0) -> str:
