@@ -74,6 +74,7 @@ def summary_rows(tree: RadixCache, sort: str = "weight", depth: int | None = Non
         n = len(node.value)
         kb = node.key_bytes
         parent = node.parent
+        salt, adapter = split_namespace(namespace)
         rows.append(
             (
                 node.id,
@@ -90,10 +91,10 @@ def summary_rows(tree: RadixCache, sort: str = "weight", depth: int | None = Non
                 node.pin_ref > 0,
                 node.tier,
                 len(node.children),
-                bool(split_namespace(namespace)[0]),
+                bool(salt),
                 _ids(kb, 0, min(n, EDGE_IDS)),
                 _ids(kb, n - EDGE_IDS, EDGE_IDS) if n > EDGE_IDS else (),
-                split_namespace(namespace)[1],  # the LoRA adapter's name, None: the base model
+                adapter,  # the LoRA adapter's name, None: the base model
             )
         )
     return {

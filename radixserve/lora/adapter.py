@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
-# The projections an adapter may target, by peft's module name, and the part of the decoder
-# that holds each.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from radixserve.settings.lora import LORA_TARGET_MODULES
+
+# The projections an adapter may target, by peft's module name (the settings' list), and the
+# part of the decoder that holds each.
+PROJECTIONS = LORA_TARGET_MODULES
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _TENSOR = re.compile(
