@@ -9,6 +9,7 @@ import json
 import logging
 import os
 from importlib.metadata import version
+from types import SimpleNamespace
 from typing import Any
 
 from radixserve.checkpoint.cache_dir import cache_root
@@ -44,3 +45,21 @@ def write_record(path: str, data: Any) -> None:
         log.debug("could not keep %s: %s", path, e)
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+def read_config(folder: str) -> Any:
+    """The folder's config as transformers resolves it (its defaults filled in), with its
+    attributes read by ``getattr``.  transformers' import takes seconds of every start and about
+    80 MB that the scheduler would keep, so the resolved attributes are kept in the cache folder,
+    keyed by the config.json bytes and the transformers version: the launcher reads them first
+    (runtime/launcher.py), and the scheduler reads them back without importing it."""
+    with open(os.path.join(folder, "config.json"), "rb") as f:
+        saved = record_path("configs", f.read())
+    attributes = read_record(saved)
+    if isinstance(attributes, dict):
+        return SimpleNamespace(**attributes)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(folder)
+    write_record(saved, hf_config.to_dict())
+    return hf_config

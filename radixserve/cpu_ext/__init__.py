@@ -118,7 +118,7 @@ def _build() -> ModuleType | None:
             if stale.exists():
                 log.warning("removing the lock of an interrupted build in %s", where)
                 stale.unlink()
-            with _shown_if_compiling(where):
+            with _shown_if_compiling(where), _our_ninja_first():
                 return cpp_extension.load(
                     name="radixserve_paged_attention",
                     sources=[str(p) for p in SOURCES],
@@ -131,6 +131,25 @@ def _build() -> ModuleType | None:
         log.warning("CPU attention kernel unavailable (%s); using the torch gather path",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
         return None
+
+
+@contextlib.contextmanager
+def _our_ninja_first() -> Iterator[None]:
+    """torch runs whichever ``ninja`` comes first on PATH.  Two ninja versions write build logs
+    the other cannot read (1.13's hashes its commands differently), so processes that find
+    different ones (the pip package's in the virtual environment, a system one outside it)
+    rebuild the same folder in turn; the build always runs the ``ninja`` package's own."""
+    try:
+        import ninja
+    except ImportError:  # torch then finds one on PATH or reports that none exists
+        yield
+        return
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + before
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
 
 
 @contextlib.contextmanager

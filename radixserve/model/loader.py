@@ -9,13 +9,12 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from radixserve.checkpoint.gguf_index import read_gguf_index
-from radixserve.checkpoint.records import read_record, record_path, write_record
+from radixserve.checkpoint.records import read_config
 from radixserve.distributed.group import SINGLE, TensorParallel
 from radixserve.model import get_model_class
 from radixserve.model.config import ModelConfig
@@ -23,7 +22,7 @@ from radixserve.model.decoder import CausalLM
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.gguf_folder import gguf_file_of
 from radixserve.model.gguf_weights import iter_gguf_weights
-from radixserve.model.weight_arena import pack_weights
+from radixserve.model.weight_arena import pack_weights, unmap_large_frees
 from radixserve.quantization import quantize_model
 from radixserve.quantization.registry import resolve as resolve_quantization
 
@@ -37,23 +36,6 @@ class LoadedModel:
 
 
 log = logging.getLogger("radixserve")
-
-
-def read_config(folder: str) -> Any:
-    """The folder's config as transformers resolves it (its defaults filled in), with its
-    attributes read by ``getattr``.  transformers' import takes seconds of every start, so the
-    resolved attributes are kept in the cache folder, keyed by the config.json bytes and the
-    transformers version, and later starts read them back without importing it."""
-    with open(os.path.join(folder, "config.json"), "rb") as f:
-        saved = record_path("configs", f.read())
-    attributes = read_record(saved)
-    if isinstance(attributes, dict):
-        return SimpleNamespace(**attributes)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(folder)
-    write_record(saved, hf_config.to_dict())
-    return hf_config
 
 
 def _safetensors_files(folder: str) -> list[str]:
@@ -91,6 +73,8 @@ def load_model(
     ``int8_activations``,
     ``wide_one_row``: see :func:`radixserve.quantization.quantize_model`."""
     folder = resolve_model_path(model_path)
+    if torch.device(device).type == "cpu":
+        unmap_large_frees()
     hf_config = read_config(folder)
     config = ModelConfig.from_hf(hf_config, dtype, folder)
     cls = get_model_class(config.architecture)

@@ -83,6 +83,22 @@ def _release_freed() -> None:
         trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 64 << 10
+
+
+def unmap_large_frees() -> None:
+    """Make glibc map every allocation from ``MMAP_THRESHOLD`` up on its own and unmap it when
+    freed.  By default the threshold grows with each large block freed (up to 32 MB), and a
+    prefill's activations and the dequantized runs of rows (quantization/weights.py) then come
+    from the heap, which keeps what they free: a served model's resident memory would carry a
+    prefill's worth of freed buffers beside the weights.  A decode step's tensors stay under
+    the threshold, on the heap."""
+    mallopt = getattr(_LIBC, "mallopt", None)  # glibc's; other C libraries keep no such heap
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def pack_weights(model: nn.Module) -> int:
     """Move the CPU weights of ``model`` into one huge-page block; returns its size in bytes."""
     slots = _slots(model)

@@ -73,8 +73,9 @@ class Int4Weight(QuantizedWeight):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.rows(None).to(dtype)
 
-    def dequantize_into(self, out: torch.Tensor) -> None:
-        cpu_ext.load().int4_dequant_(self.qs, self.d, self.m, out)
+    def dequantize_into(self, out: torch.Tensor, start: int = 0) -> None:
+        rows = slice(start, start + out.shape[0])
+        cpu_ext.load().int4_dequant_(self.qs[rows], self.d[rows], self.m[rows], out)
 
     def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
         if self.int8_activations:

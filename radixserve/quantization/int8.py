@@ -73,8 +73,10 @@ class Int8Weight(QuantizedWeight):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.rows(None).to(dtype)
 
-    def dequantize_into(self, out: torch.Tensor) -> None:
-        cpu_ext.load().int8_dequant_(self.q, self.scale, self._offset_arg(), out)
+    def dequantize_into(self, out: torch.Tensor, start: int = 0) -> None:
+        rows = slice(start, start + out.shape[0])
+        offset = _NO_OFFSET if self.offset is None else self.offset[rows]
+        cpu_ext.load().int8_dequant_(self.q[rows], self.scale[rows], offset, out)
 
     def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
         name = "int8_linear_q8" if self.int8_activations else "int8_linear"

@@ -62,11 +62,13 @@ class KQuantWeight(QuantizedWeight):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.rows(None).to(dtype)
 
-    def dequantize_into(self, out: torch.Tensor) -> None:
-        ops, start = cpu_ext.load(), 0
-        for kind, blocks in self.parts:
-            ops.kq_dequant_(blocks, kind, out[start:start + blocks.shape[0]])
-            start += blocks.shape[0]
+    def dequantize_into(self, out: torch.Tensor, start: int = 0) -> None:
+        ops, first, stop = cpu_ext.load(), 0, start + out.shape[0]
+        for kind, blocks in self.parts:  # the part's rows first .. first + len(blocks)
+            lo, hi = max(start, first), min(stop, first + blocks.shape[0])
+            if lo < hi:
+                ops.kq_dequant_(blocks[lo - first:hi - first], kind, out[lo - start:hi - start])
+            first += blocks.shape[0]
 
     def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
         tensors = [blocks for _, blocks in self.parts]

@@ -7,7 +7,9 @@ The matmul path (float activations unless ``--int8-activations``):
   a step reads each quantized weight once from memory;
 - more rows (prefill, large batches): the weight dequantized once per call into a shared buffer
   and the float matmul this CPU runs fastest at that many rows (float_linear.py): torch's
-  blocked GEMM for a prefill, which the row loop does not match there.
+  blocked GEMM for a prefill, which the row loop does not match there.  A weight larger than
+  the buffer (``SCRATCH_ELEMENTS``) goes through it in runs of rows, so the float copy a
+  prefill needs stays one small buffer, not a float copy of the largest weight.
 torch's own ``_weight_int8pack_mm`` is not used: on an AVX2 CPU it is slower than the float32
 matmul at one row and far slower at prefill sizes.
 """
@@ -39,9 +41,10 @@ class QuantizedWeight:
         """The float weight (a new tensor)."""
         raise NotImplementedError
 
-    def dequantize_into(self, out: torch.Tensor) -> None:
-        """Write the float weight into ``out`` (``[N, K]``, the matmul's dtype)."""
-        out.copy_(self.dequantized(out.dtype))
+    def dequantize_into(self, out: torch.Tensor, start: int = 0) -> None:
+        """Write the float rows ``start .. start + len(out)`` of the weight into ``out``
+        (``[rows, K]``, the matmul's dtype)."""
+        out.copy_(self.dequantized(out.dtype)[start:start + out.shape[0]])
 
     def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
         """The C++ kernel a step of ``rows`` rows goes through (its name in cpu_ext) and the
@@ -79,26 +82,39 @@ class QuantizedWeight:
             return F.linear(x, self.dequantized(x.dtype))
         if x.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernel_matmul(ops, x)
-        weight = _scratch(self.shape, x.dtype)
-        self.dequantize_into(weight)
-        return float_linear(x, weight)
+        n, k = self.shape
+        run = max(1, SCRATCH_ELEMENTS // k)
+        if n <= run:
+            weight = _scratch(n * k, x.dtype).view(n, k)
+            self.dequantize_into(weight)
+            return float_linear(x, weight)
+        out = x.new_empty((x.shape[0], n))
+        for start in range(0, n, run):
+            rows = min(run, n - start)
+            weight = _scratch(rows * k, x.dtype).view(rows, k)
+            self.dequantize_into(weight, start)
+            out[:, start:start + rows] = float_linear(x, weight)
+        return out
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids``, dequantized (a tied embedding's lookup)."""
         return self.rows(ids).to(self.dtype)
 
 
-_SCRATCH: dict[tuple[torch.Size, torch.dtype], torch.Tensor] = {}
+# The most weights dequantized at once for a many-row matmul: 16 MB in bfloat16.  Runs of rows
+# this large keep torch's GEMM at its full rate, and the buffer is small beside the model.
+SCRATCH_ELEMENTS = 8 << 20
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
 
 
-def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """One float buffer per weight shape, shared by the layers of that shape (a model's forward
-    runs one matmul at a time): a fresh one per call would cost more in page faults than the
-    matmul."""
-    buf = _SCRATCH.get((shape, dtype))
-    if buf is None:
-        buf = _SCRATCH[(shape, dtype)] = torch.empty(shape, dtype=dtype)
-    return buf
+def _scratch(elements: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``elements`` of one float buffer per dtype, shared by every layer (a model's
+    forward runs one matmul at a time): a fresh one per call would cost more in page faults
+    than the matmul.  It grows to the largest run asked for, at most ``SCRATCH_ELEMENTS``."""
+    buf = _SCRATCH.get(dtype)
+    if buf is None or buf.numel() < elements:
+        buf = _SCRATCH[dtype] = torch.empty(elements, dtype=dtype)
+    return buf[:elements]
 
 
 _changes = [0]

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import sys
 import tempfile
@@ -72,6 +73,20 @@ def _check_can_start_children() -> None:
         )
 
 
+def _keep_config_record(folder: str) -> None:
+    """Resolve the model's config here, where transformers is imported for the tokenizer
+    anyway, so the scheduler reads it from the cache folder's record and never imports
+    transformers (seconds of its start, and memory it would hold while serving).  A config that
+    does not resolve is left to the scheduler, which reports it as a failed start."""
+    from radixserve.checkpoint.records import read_config
+
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        try:
+            read_config(folder)
+        except Exception as e:  # noqa: BLE001 - the scheduler's load reports it
+            logger.debug("config of %s not resolved in the launcher: %s", folder, e)
+
+
 class ProcessGroup:
     """The scheduler and detokenizer processes of one server or engine."""
 
@@ -82,6 +97,7 @@ class ProcessGroup:
         # Converts the default model / a .gguf once into the cache folder, here in the
         # launcher, so the progress bar shows and every process loads the same folder.
         self.model_path = resolve_model_path(self.args.model)
+        _keep_config_record(self.model_path)
         self.paths = IpcPaths(tempfile.mkdtemp(prefix="radixserve-"))
         self.procs: dict[str, mp.Process] = {}
         self.info: m.ModelInfo | None = None

@@ -130,6 +130,29 @@ def test_saved_config_builds_what_transformers_config_builds(
     assert cls.arch_spec(saved) == cls.arch_spec(first)
 
 
+def test_the_launcher_keeps_the_config_record_the_scheduler_reads(
+    tiny_model_dir: Callable[[str], str], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first start resolves the config in the launcher (which imports transformers for the
+    tokenizer anyway): the scheduler then finds the record and never imports transformers."""
+    import shutil
+
+    from radixserve.checkpoint.records import read_record, record_path
+    from radixserve.config import ServerArgs
+    from radixserve.runtime.launcher import ProcessGroup
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    folder = tiny_model_dir("llama")
+    with open(os.path.join(folder, "config.json"), "rb") as f:
+        record = record_path("configs", f.read())
+    assert read_record(record) is None
+    group = ProcessGroup(ServerArgs(model=folder))
+    shutil.rmtree(group.paths.folder)
+    from transformers import AutoConfig
+
+    assert read_record(record) == json.loads(json.dumps(AutoConfig.from_pretrained(folder).to_dict()))
+
+
 def test_rope_config_variants() -> None:
     from transformers import LlamaConfig
 

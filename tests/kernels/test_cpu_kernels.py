@@ -36,6 +36,23 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start() -> None:
     assert not stale.exists()
 
 
+def test_the_build_runs_the_ninja_package_whatever_path_finds_first(tmp_path) -> None:
+    """A system ninja of another version cannot read the build log the package's ninja wrote
+    (nor the other way round), and would rebuild the folder.  With another ``ninja`` first on
+    PATH, a start still loads the built kernels, without rebuilding, and never runs that one."""
+    fake = tmp_path / "bin" / "ninja"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\nexit 1\n")
+    fake.chmod(0o755)
+    built = {p: p.stat().st_mtime_ns for p in cpu_ext.build_dir().glob("*.[os]*")}
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    code = "from radixserve import cpu_ext; assert cpu_ext.load() is not None"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "ran").exists()
+    assert {p: p.stat().st_mtime_ns for p in built} == built
+
+
 def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -100,3 +100,30 @@ def test_fused_layers_built_before_packing_multiply_the_packed_weights(
     got = _logits(sched, fused)
     assert fused.version != built
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+_FREED_BUFFER = """
+import sys, torch
+from radixserve.model.weight_arena import unmap_large_frees
+if sys.argv[1] == "fixed":
+    unmap_large_frees()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+big = torch.ones(24 << 20, dtype=torch.uint8); del big  # freed: glibc's threshold grows to 24 MB
+before = rss()
+buffer = torch.ones(16 << 20, dtype=torch.uint8); del buffer  # a prefill's activations
+print(rss() - before)
+"""
+
+
+@pytest.mark.parametrize("mode", ["fixed", "default"])
+def test_a_freed_prefill_buffer_leaves_the_process(mode: str) -> None:
+    """With the threshold fixed (as every CPU load sets it), a freed 16 MB buffer is unmapped;
+    glibc's default, its threshold grown by an earlier large free, keeps it resident."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FREED_BUFFER, mode], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    kept = int(done.stdout.split()[-1])
+    assert kept < 2 << 20 if mode == "fixed" else kept >= 15 << 20, kept
