@@ -44,7 +44,7 @@ class QuantizedWeight:
     def dequantize_into(self, out: torch.Tensor, start: int = 0) -> None:
         """Write the float rows ``start .. start + len(out)`` of the weight into ``out``
         (``[rows, K]``, the matmul's dtype)."""
-        out.copy_(self.dequantized(out.dtype)[start:start + out.shape[0]])
+        out.copy_(self.rows(torch.arange(start, start + out.shape[0])))
 
     def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
         """The C++ kernel a step of ``rows`` rows goes through (its name in cpu_ext) and the
