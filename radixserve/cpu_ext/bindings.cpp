@@ -30,6 +30,7 @@ at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tens
 bool q8_supported();
 void int4_dequant_(at::Tensor qs, at::Tensor d, at::Tensor mins, at::Tensor out);
 at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2);
+at::Tensor kq_linear_q16(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2);
 void kq_dequant_(at::Tensor blocks, const std::string& kind, at::Tensor out);
 int64_t vector_width();
 void lora_apply_(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor token_slots);
@@ -66,6 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kq_linear", &kq_linear,
         "x [M, K] times a weight of up to 3 parts of GGUF K-quant blocks [N_i, K / 256, 144 | "
         "176 | 210] (empty tensors for none) -> [M, sum N_i] in x's dtype");
+  m.def("kq_linear_q16", &kq_linear_q16,
+        "kq_linear with the products taken with x in 16-bit integers per 32 "
+        "(AVX-512 VNNI)");
   m.def("kq_dequant_", &kq_dequant_,
         "out [N, K] <- the weight of a GGUF K-quant tensor's blocks (kind: Q4_K, Q5_K or Q6_K)");
   m.def("float_linear", &float_linear,

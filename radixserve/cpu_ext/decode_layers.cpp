@@ -38,6 +38,7 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor min
 at::Tensor int4_linear_q8(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 at::Tensor int4_linear_q16(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor mins);
 at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2);
+at::Tensor kq_linear_q16(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2);
 void lora_apply_(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor token_slots);
 
 namespace {
@@ -50,7 +51,7 @@ constexpr int64_t PLAN_TENSORS = 7;
 // rows).
 enum Linear : int64_t {
   FLOAT_KERNEL = 0, FLOAT_TORCH = 1, INT8 = 2, INT8_Q8 = 3, INT4 = 4, INT4_Q8 = 5, INT4_Q16 = 6,
-  KQUANT = 7
+  KQUANT = 7, KQUANT_Q16 = 8
 };
 
 // x times the weight of tensors t[0..2], plus the bias t[3] where it has elements: as
@@ -68,6 +69,7 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor* t) {
     case INT4_Q8: y = int4_linear_q8(x, t[0], t[1], t[2]); break;
     case INT4_Q16: y = int4_linear_q16(x, t[0], t[1], t[2]); break;
     case KQUANT: y = kq_linear(x, t[0], t[1], t[2]); break;  // a GGUF's K-quant parts
+    case KQUANT_Q16: y = kq_linear_q16(x, t[0], t[1], t[2]); break;
     default: TORCH_CHECK(false, "DecodeLayers: unknown linear kind ", kind);
   }
   return bias.numel() ? y.add(bias) : y;  // y + bias

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kquant.h"
+#include "kquant_wide.h"
 
 namespace {
 
@@ -173,12 +174,11 @@ RowsFn rows_of(const at::Tensor& part, int64_t K) {
 
 }  // namespace
 
-// x [M, K] (float32 / bfloat16 / float16) times a weight whose rows are the parts' rows one
-// after the other (a merged q/k/v layer's parts may be of different types: a Q4_K_M file's v in
-// Q6_K); each part uint8 [N_i, K / 256, bytes per super-block], an empty tensor for none.
-// Returns [M, sum N_i] in x's dtype: float32 sums, other dtypes rounded once (c10's
-// round-to-nearest-even).  Output rows in chunks of whole tiles on the threads, part by part.
-at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2) {
+namespace {
+
+// kq_linear, and with `wide` kq_linear_q16.
+at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& b0, const at::Tensor& b1,
+                     const at::Tensor& b2, bool wide) {
   TORCH_CHECK_VALUE(b0.dim() == 3, "kq_linear: the first part must be uint8 [N, K / 256, bytes]");
   const int64_t K = b0.size(1) * QK_K;
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == K, "kq_linear: x must be [M, ", K, "]");
@@ -195,6 +195,16 @@ at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2) 
   const float* xp = rows_as_float(x, xbuf);
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  TORCH_CHECK(!wide || kq_wide_supported(), "kq_linear_q16: this build has no AVX-512 VNNI");
+  // x's rows laid out for the Q4_K / Q5_K parts and for the Q6_K parts (kquant_wide.h)
+  std::vector<KqWideRow> xw[2];
+  for (const auto& [rows, part] : parts) {
+    const bool q6k = part->size(2) == Q6K::BYTES;
+    if (wide && xw[q6k].empty()) {
+      xw[q6k].resize(M);
+      for (int64_t m = 0; m < M; ++m) kq_wide_row(xp + m * K, K, q6k, xw[q6k][m]);
+    }
+  }
   const bool direct = x.scalar_type() == at::kFloat;
   std::unique_ptr<float[]> buf(direct ? nullptr : new float[M * N]);  // all written below
   float* sums = direct ? y.data_ptr<float>() : buf.get();
@@ -202,8 +212,13 @@ at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2) 
   for (const auto& [rows, part] : parts) {
     const int64_t n = part->size(0);
     const uint8_t* wp = part->data_ptr<uint8_t>();
+    const int bytes = static_cast<int>(part->size(2));
     at::parallel_for(0, (n + NB - 1) / NB, 16, [&](int64_t t0, int64_t t1) {
-      rows(xp, wp, sums + col, M, K, N, t0 * NB, std::min(n, t1 * NB));
+      if (wide)
+        kq_wide_rows(xw[bytes == Q6K::BYTES].data(), wp, bytes, sums + col, M, K, N, t0 * NB,
+                     std::min(n, t1 * NB));
+      else
+        rows(xp, wp, sums + col, M, K, N, t0 * NB, std::min(n, t1 * NB));
     });
     col += n;
   }
@@ -213,6 +228,25 @@ at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2) 
       for (int64_t i = 0; i < M * N; ++i) dst[i] = static_cast<scalar_t>(sums[i]);
     });
   return y;
+}
+
+}  // namespace
+
+// x [M, K] (float32 / bfloat16 / float16) times a weight whose rows are the parts' rows one
+// after the other (a merged q/k/v layer's parts may be of different types: a Q4_K_M file's v in
+// Q6_K); each part uint8 [N_i, K / 256, bytes per super-block], an empty tensor for none.
+// Returns [M, sum N_i] in x's dtype: float32 sums, other dtypes rounded once (c10's
+// round-to-nearest-even).  Output rows in chunks of whole tiles on the threads, part by part.
+at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2) {
+  return kq_matmul(x, b0, b1, b2, false);
+}
+
+// kq_linear with the products taken with x in 16-bit integers per block of 32 (kquant_wide.cpp:
+// VNNI integer dot products, an error of at most dx / 2 an element of x, as int4_linear_q16's).
+// Where the CPU has AVX-512 VNNI (q8_supported), an error elsewhere.  Where it runs:
+// radixserve/quantization/.
+at::Tensor kq_linear_q16(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2) {
+  return kq_matmul(x, b0, b1, b2, true);
 }
 
 namespace {

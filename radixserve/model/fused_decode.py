@@ -35,6 +35,7 @@ QUANTIZED_KINDS = {
     "int4_linear_q8": 5,
     "int4_linear_q16": 6,
     "kq_linear": 7,
+    "kq_linear_q16": 8,
 }
 WEIGHT_TENSORS = 3  # per matmul, before its bias (fewer: padded with empty tensors)
 _EMPTY = torch.empty(0)

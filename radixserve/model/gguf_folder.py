@@ -6,6 +6,11 @@ weights are read from at every load (model/gguf_weights.py): a few megabytes, ag
 weights' gigabytes.  It appears atomically (built under a temporary name next to the target and
 renamed into place), so a crash never leaves half a folder.
 
+The metadata is read once, by :func:`read_gguf_index`, and handed to transformers' own GGUF
+tables, config classes and tokenizer builder (:func:`gguf_checkpoint`): the files are those
+``from_pretrained(folder, gguf_file=name)`` gives, without the ``gguf`` package's reader, which
+builds a numpy array per string of the vocabulary, once per call.
+
 Every start checks the file first (:func:`check_gguf`, a header read): a file that is not a
 GGUF, whose header or tensor data ends early, that holds a tensor of a type nothing here reads,
 or whose architecture is not served, is refused with one error naming the file and the tensor.
@@ -24,6 +29,7 @@ import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
+from typing import Any
 
 from radixserve.checkpoint.cache_dir import cache_root
 from radixserve.checkpoint.gguf_index import GGUFIndex, read_gguf_index
@@ -161,9 +167,115 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _reads_gguf_metadata() -> bool:
+    """Whether the installed transformers has the GGUF tables :func:`gguf_config` and
+    :func:`gguf_tokenizer` build from (5.x's ``integrations.gguf``); with an older one its own
+    ``from_pretrained(..., gguf_file=...)`` reads the file."""
+    try:
+        from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING  # noqa: F401
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # noqa: F401
+            _SPECIAL_TOKENS,
+            convert_gguf_tokenizer,
+        )
+        from transformers.modeling_gguf_pytorch_utils import (  # noqa: F401
+            GGUF_TO_TRANSFORMERS_MAPPING,
+        )
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gguf_checkpoint(index: GGUFIndex) -> dict[str, dict[str, Any]]:
+    """What transformers' ``load_gguf_checkpoint(path, return_tensors=False)`` returns for a
+    file of a served architecture (its "ignore", "config", "tokenizer" and "tokenizer_config"
+    groups), built from ``index.metadata`` (:func:`read_gguf_index` with ``values=True``) by
+    transformers' own key tables; its steps for other architectures (t5, stablelm, ...) are not
+    taken."""
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    arch, meta = index.architecture, index.metadata
+    if meta is None:
+        raise ValueError("gguf_checkpoint needs the index read with values=True")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not served")
+    # each field as the list of its values (one for a scalar), the gguf reader's own fields first
+    fields: dict[str, list[Any]] = {
+        "GGUF.version": [index.version], "GGUF.tensor_count": [len(index.tensors)],
+        "GGUF.kv_count": [len(meta)]}
+    fields.update((key, v if isinstance(v, list) else [v]) for key, v in meta.items())
+    parsed: dict[str, dict[str, Any]] = {group: {} for group in GGUF_TO_TRANSFORMERS_MAPPING}
+    # llama.cpp writes a Mistral as "llama": transformers takes it for one when a value of
+    # ``general.name`` is exactly "mistral", and then writes "mistral" for "llama" in every key
+    # and string value
+    updated = "mistral" if "llama" in arch and "mistral" in fields.get("general.name", []) else arch
+    config = parsed["config"]
+    config["tie_word_embeddings"] = "output.weight" not in index.tensors
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING
+    for key, value in defaults.get(updated, defaults.get(arch) or {}).items():
+        config.setdefault(key, value)
+    for gguf_key, values in fields.items():
+        prefix, _, key = gguf_key.replace(arch, updated).partition(".")
+        value = values[0] if len(values) == 1 else values
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        for group, renames in GGUF_TO_TRANSFORMERS_MAPPING.items():
+            renamed = renames.get(prefix, {}).get(key, -1)
+            if renamed != -1 and renamed is not None:  # -1: not this group's; None: dropped
+                parsed[group][renamed] = value
+    if "vocab_size" not in config and "tokens" in parsed["tokenizer"]:
+        config["vocab_size"] = len(parsed["tokenizer"]["tokens"])
+    return parsed
+
+
+def gguf_config(index: GGUFIndex) -> Any:
+    """The config ``AutoConfig.from_pretrained(folder, gguf_file=name)`` gives: the class of
+    the model type, from the "config" group of :func:`gguf_checkpoint`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_dict = gguf_checkpoint(index)["config"]
+    return CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
+
+
+def gguf_tokenizer(index: GGUFIndex, config: Any) -> Any:
+    """The tokenizer ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` gives, from
+    ``index.metadata``: transformers 5's ``get_gguf_tokenizer`` groups of the ``tokenizer.*``
+    keys, its ``convert_gguf_tokenizer`` backend, in the class AutoTokenizer picks for
+    ``config`` (a GGUF folder has no tokenizer files to name one)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS,
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    meta = index.metadata
+    if meta is None:
+        raise ValueError("gguf_tokenizer needs the index read with values=True")
+    tokenizer, tokenizer_config = (
+        {name: meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING[group].items()
+         if f"tokenizer.{key}" in meta}
+        for group in ("tokenizer", "tokenizer_config"))
+    if tokenizer.get("tokenizer_type") == "llama":  # sentencepiece: BOS unless the file says not
+        tokenizer_config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = None if token_id is None else tokenizer["tokens"][token_id]
+    backend, extra = convert_gguf_tokenizer(index.architecture, tokenizer)
+    cls = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
+    if cls.__name__ == "MistralCommonBackend":  # needs a tekken.json, which a GGUF is not
+        cls = TokenizersBackend
+    # is_local / local_files_only: as from_pretrained passes them (tokenizer_config.json keeps them)
+    return cls(tokenizer_object=backend, **tokenizer_config, **extra, is_local=True,
+               local_files_only=False)
+
+
 def write_folder(gguf_path: str, target: str) -> None:
     """Write the config, generation config, tokenizer and source record of ``gguf_path`` into
-    ``target`` (from the file's metadata, through transformers)."""
+    ``target``: transformers' config and tokenizer of the file, from its metadata read once
+    (:func:`read_gguf_index`)."""
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -176,15 +288,17 @@ def write_folder(gguf_path: str, target: str) -> None:
     try:
         with tqdm(total=2, desc=f"radixserve: reading {name}", unit="step") as bar:
             bar.set_postfix_str("config")
+            index = read_gguf_index(gguf_path, values=True)
+            own_reader = not _reads_gguf_metadata()
             with _quiet_transformers():
-                config = AutoConfig.from_pretrained(folder, gguf_file=name)
+                config = (AutoConfig.from_pretrained(folder, gguf_file=name) if own_reader
+                          else gguf_config(index))
             saved = config.to_dict()
             saved.pop("_name_or_path", None)
             saved.pop("_model_name_or_path", None)
             saved["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-            head_dim = read_gguf_index(gguf_path).head_dim
-            if head_dim:  # transformers reads it for some architectures only (not qwen3)
-                saved["head_dim"] = head_dim
+            if index.head_dim:  # transformers reads it for some architectures only (not qwen3)
+                saved["head_dim"] = index.head_dim
             saved["dtype"] = "float32"
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(saved, f, indent=2, sort_keys=True)
@@ -193,7 +307,9 @@ def write_folder(gguf_path: str, target: str) -> None:
             bar.update(1)
             bar.set_postfix_str("tokenizer")
             with _quiet_transformers():
-                AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+                tokenizer = (AutoTokenizer.from_pretrained(folder, gguf_file=name) if own_reader
+                             else gguf_tokenizer(index, config))
+                tokenizer.save_pretrained(tmp)
             with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
                 json.dump({"source": os.path.abspath(gguf_path)}, f)
             _make_readable(tmp)

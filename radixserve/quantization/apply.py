@@ -28,7 +28,8 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None,
     was converted from; ``int8_activations``: the decode rows of the weights that take it (4-bit
     blocks, int8 groups of 32; the LM head's aside) through ``int4_linear_q8`` /
     ``int8_linear_q8``; ``wide_one_row`` (ignored with it, or where the kernels lack AVX-512
-    VNNI): one-row steps of 4-bit weights through ``int4_linear_q16`` (int4.py)."""
+    VNNI): one-row steps of 4-bit weights through ``int4_linear_q16`` (int4.py), of K-quant
+    weights through ``kq_linear_q16`` (kquant.py)."""
     method = get_method(mode)
     if int8_activations:
         ops = cpu_ext.load()
@@ -65,16 +66,16 @@ def _weights(model: nn.Module, but: nn.Module | None = None) -> list[QuantizedWe
 
 
 def _take_wide_one_row(model: nn.Module) -> None:
-    """Mark the 4-bit weights' one-row steps for ``int4_linear_q16`` where this CPU's kernels
-    run it."""
+    """Mark the 4-bit weights' one-row steps for ``int4_linear_q16`` (a GGUF's Q4_K parts:
+    ``kq_linear_q16``) where this CPU's kernels run it."""
     ops = cpu_ext.load()
     weights = [w for w in _weights(model) if w.takes_wide_one_row]
     if not weights or ops is None or not ops.q8_supported():
         return
     for weight in weights:
         weight.wide_one_row = True
-    log.info("one-row steps of %d 4-bit layer(s) take x in 16-bit integers per %d (AVX-512 VNNI "
-             "dot products)", len(weights), Q8_BLOCK)
+    log.info("one-row steps of %d 4-bit or K-quant layer(s) take x in 16-bit integers per %d "
+             "(AVX-512 VNNI dot products)", len(weights), Q8_BLOCK)
 
 
 def _quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -15,7 +15,10 @@ only in the order of its sums.
 
 Kernels (cpu_ext/kquant_ops.cpp): ``kq_linear`` for decode rows (float activations, the blocks
 of each part streamed once for all the rows), ``kq_dequant_`` for prefill (the weight
-dequantized into the shared buffer, then torch's matmul).
+dequantized into the shared buffer, then torch's matmul).  On a VNNI CPU, a server that drafts
+no tokens takes one-row steps through ``kq_linear_q16`` (``wide_one_row``, as int4.py's 4-bit
+blocks): the products with x in 16-bit integers per block of 32 (cpu_ext/kquant_wide.cpp: VNNI
+dot products of the stored q, an error of at most dx / 2 an element of x).
 """
 
 from __future__ import annotations
@@ -40,13 +43,15 @@ class KQuantWeight(QuantizedWeight):
     (:meth:`cat`: a Q4_K_M file's q and k in Q4_K, its v in Q6_K): ``blocks``, ``blocks_1`` and
     ``blocks_2`` (None where there are fewer), one kernel call for all of them."""
 
-    kernels = ("kq_linear", "kq_dequant_")
+    kernels = ("kq_linear", "kq_linear_q16", "kq_dequant_")
+    takes_wide_one_row = True
 
     def __init__(self, blocks: torch.Tensor, kind: str, dtype: torch.dtype) -> None:
         self.blocks, self.blocks_1, self.blocks_2 = _checked(blocks, kind), None, None
         self.kinds = (kind,)
         self.dtype = dtype
         self.shape = torch.Size((blocks.shape[0], blocks.shape[1] * QK_K))
+        self.wide_one_row = False  # one-row steps through kq_linear_q16 (apply.py sets it)
 
     @property
     def kind(self) -> str:
@@ -72,7 +77,8 @@ class KQuantWeight(QuantizedWeight):
 
     def kernel_args(self, rows: int) -> tuple[str, tuple[torch.Tensor, ...]]:
         tensors = [blocks for _, blocks in self.parts]
-        return "kq_linear", (*tensors, *[_EMPTY] * (MAX_PARTS - len(tensors)))
+        name = "kq_linear_q16" if self.wide_one_row and rows == 1 else "kq_linear"
+        return name, (*tensors, *[_EMPTY] * (MAX_PARTS - len(tensors)))
 
     def rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         if len(self.kinds) == 1:

@@ -34,7 +34,8 @@ class QuantizedWeight:
     kernels: tuple[str, ...] = ()  # the cpu_ext ops that :meth:`kernel_args` and prefill name
     # whether --int8-activations may take its kernel rows (apply.py sets ``int8_activations``)
     takes_int8_activations: bool = False
-    # whether its one-row steps may go through int4_linear_q16 (apply.py sets ``wide_one_row``)
+    # whether its one-row steps may take x in 16-bit integers (int4_linear_q16, kq_linear_q16;
+    # apply.py sets ``wide_one_row``)
     takes_wide_one_row: bool = False
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:

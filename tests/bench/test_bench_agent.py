@@ -96,6 +96,9 @@ def test_json_workload_turns_carry_a_record_to_echo(default_model_path) -> None:
     assert agent.conversation(tokenizer, args)[1] == users  # the same seed, the same turns
 
 
+# The agent family's default-run smoke run is test_http_loop_reports_each_server; a stored
+# conversation surviving a flood is served in the default run by tests/http/test_responses_api.py.
+@pytest.mark.slow
 def test_flood_mode_keeps_the_stored_conversation_cached(tmp_path) -> None:
     """bench/agent_http.py --flood --quick against real servers: the Responses loop (stored,
     pinned conversation) finds every earlier turn in the cache after a flood that evicts the

@@ -99,10 +99,12 @@ NEW_TOKENS = 16
 
 
 def _transformers_greedy(path: str) -> list[list[int]]:
+    from helpers.oracle import gguf_pure_calls_shared
     from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with gguf_pure_calls_shared():  # the same model, the file parsed once
+        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     outs = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -125,7 +127,7 @@ def test_kquant_file_served_as_stored(arch: str, tmp_path, cache: str) -> None:
     from radixserve.quantization.kquant import KQuantWeight
 
     path = write_gguf(str(tmp_path / f"small-{arch}.Q4_K_M.gguf"), small_model(arch), arch,
-                      kind_of({**Q4_K_M, "attn_output": "Q5_K"}, "Q4_K"))
+                      kind_of({"attn_output": "Q5_K", **Q4_K_M}, "Q4_K"))
     served = load_model(path, torch.float32, quantization="gguf")
     floats = load_model(path, torch.float32, quantization="none").model
     layers = dict(served.model.named_modules())

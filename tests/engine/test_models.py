@@ -230,15 +230,20 @@ def test_default_model_config(default_f32) -> None:
     assert 2 in cfg.eos_token_ids  # <|im_end|>
 
 
-def test_default_model_matches_transformers_on_its_gguf(default_f32) -> None:
+def test_default_model_matches_transformers_on_its_gguf(default_f32, default_model_path: str) -> None:
     """Chat prompt, 16 greedy tokens against transformers reading the GGUF itself; chunked
     prefill sharing batches with another request."""
-    from radixserve.model.default_model import default_gguf_path
+    from helpers.oracle import hf_greedy
 
+    from radixserve.model.default_model import default_gguf_path
+    from radixserve.model.gguf_folder import transformers_args
+
+    # The oracle's model (shared with the other tests of the default model) is transformers
+    # reading the GGUF itself.
     folder, name = os.path.split(default_gguf_path())
-    hf = _hf_model(folder, gguf_file=name)
+    assert transformers_args(default_model_path) == (folder, {"gguf_file": name})
     prompt = _chat_prompt(default_f32.tokenizer_path)
-    ref = _hf_greedy(hf, prompt, DEFAULT_NEW_TOKENS)
+    ref = hf_greedy(default_model_path, prompt, DEFAULT_NEW_TOKENS)
     runner = ModelRunner(default_f32.model, max_context=256, num_slots=1024)
     assert runner.greedy([prompt], DEFAULT_NEW_TOKENS) == [ref]
     other = prompt[:5] + prompt[9:20]
@@ -270,12 +275,15 @@ def test_default_model_folder_is_written_once(
 def test_failed_folder_write_leaves_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
+    from radixserve.model import gguf_folder
     from radixserve.model.default_model import default_model_path
 
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("simulated crash while reading the tokenizer")
 
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    # the tokenizer from the metadata read once, or through transformers' own GGUF reading
+    monkeypatch.setattr(gguf_folder, "gguf_tokenizer", boom)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
         default_model_path()

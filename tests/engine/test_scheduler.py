@@ -238,8 +238,15 @@ def test_eviction_is_lru_and_counted(tiny_model_dir) -> None:
 
 
 # Page size 1 against the tiny models in every test above; the default model at 1 with -m slow.
-@pytest.mark.parametrize("page_size", [pytest.param(1, marks=pytest.mark.slow), 16])
-def test_default_model_matches_hf_through_every_path(default_model_path, page_size: int) -> None:
+# The default run takes 30 tokens a request in a smaller pool (still retracted, still mixed);
+# the 60-token runs are in the slow lane.
+@pytest.mark.parametrize(("page_size", "max_new", "max_total"), [
+    pytest.param(1, 60, 192, marks=pytest.mark.slow, id="1-60tokens"),
+    pytest.param(16, 60, 192, marks=pytest.mark.slow, id="16-60tokens"),
+    pytest.param(16, 30, 128, id="16-30tokens"),
+])
+def test_default_model_matches_hf_through_every_path(default_model_path, page_size: int, max_new: int,
+                                                     max_total: int) -> None:
     """Default model, float32: chunked prefill, mixed batches, a cache hit and retraction."""
     from radixserve.tokenizer import load_tokenizer
 
@@ -253,9 +260,9 @@ def test_default_model_matches_hf_through_every_path(default_model_path, page_si
     reqs = [tok.encode(t, add_special_tokens=False) for t in texts]
     sched = make_scheduler(
         default_model_path, tokenizer=tok, page_size=page_size, chunked_prefill_size=16,
-        max_prefill_tokens=24, max_total_tokens=192,
+        max_prefill_tokens=24, max_total_tokens=max_total,
     )
-    results = check_against_hf(default_model_path, sched, reqs, max_new=60)
+    results = check_against_hf(default_model_path, sched, reqs, max_new=max_new)
     stats = sched.get_stats()
     assert stats["retractions"] > 0 and stats["mixed_steps"] > 0
     # The third text is admitted once the first one's prompt is in the tree: it is served

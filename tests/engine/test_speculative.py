@@ -364,27 +364,36 @@ def default_pair(default_model_path: str, tok: Any, **settings: Any) -> tuple[An
             make_scheduler(default_model_path, tok, max_total_tokens=8192, **settings, **NGRAM))
 
 
+@pytest.fixture(scope="module")
+def pair(default_model_path: str, tok: Any) -> tuple[Any, Any]:
+    """A plain and an n-gram scheduler of the default model at the server's defaults, shared by
+    the tests below: each compares the two over its own requests (both see the same ones)."""
+    return default_pair(default_model_path, tok)
+
+
 def chat_ids(tok: Any, text: str) -> list[int]:
     text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     return tok.encode(text, add_special_tokens=False)
 
 
-def test_default_model_copies_code_faster_with_the_same_tokens(default_model_path, tok) -> None:
-    plain, spec = default_pair(default_model_path, tok)
+def test_default_model_copies_code_faster_with_the_same_tokens(pair, tok) -> None:
+    plain, spec = pair
     prompt = chat_ids(tok, "Rewrite this Python code exactly, with the same names:\n" + CODE)
-    outs = []
+    outs, steps = [], []
     for sched in (plain, spec):
+        before = sched.get_stats()["forward_steps"]
         rid = submit(sched, prompt, max_new_tokens=60)
         outs.append(run_until_idle(sched, on_step=check_drafts_freed)[rid])
+        steps.append(sched.get_stats()["forward_steps"] - before)
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
     meta = outs[1]["meta"]
     # Copying text from the prompt: most drafts are accepted, several tokens per forward.
     assert meta["spec_num_correct_drafts"] > 20 and meta["spec_accept_length"] > 1.5
-    assert spec.get_stats()["forward_steps"] < plain.get_stats()["forward_steps"]
+    assert steps[1] < steps[0], steps
 
 
-def test_stop_strings_and_token_ids_cut_inside_accepted_drafts(default_model_path, tok) -> None:
-    plain, spec = default_pair(default_model_path, tok)
+def test_stop_strings_and_token_ids_cut_inside_accepted_drafts(pair, tok) -> None:
+    plain, spec = pair
     prompt = chat_ids(tok, "Rewrite this Python code exactly:\n" + CODE)
     width = tok.encode(" width")[0]
     cases = [{"stop": ["perimeter"]}, {"stop_token_ids": [width]}, {"stop": ["* h"], "no_stop_trim": True}]
@@ -397,7 +406,10 @@ def test_stop_strings_and_token_ids_cut_inside_accepted_drafts(default_model_pat
         assert outs[0]["finished"] == outs[1]["finished"] and outs[1]["finished"]["type"] == "stop", params
 
 
-def test_grammar_drafts_stay_inside_the_grammar(default_model_path, tok) -> None:
+# With jump-forward (the server's default) in the default run; without it with -m slow.
+@pytest.mark.parametrize("jump", [pytest.param(False, marks=pytest.mark.slow, id="no-jump-forward"),
+                                  pytest.param(True, id="jump-forward")])
+def test_grammar_drafts_stay_inside_the_grammar(default_model_path, tok, pair, jump: bool) -> None:
     """A JSON array of repeated objects: its keys recur, so the request's own text offers
     drafts; only what the grammar accepts is proposed, and the output is the same."""
     import json
@@ -406,16 +418,15 @@ def test_grammar_drafts_stay_inside_the_grammar(default_model_path, tok) -> None
         "type": "object", "required": ["city", "country"],
         "properties": {"city": {"type": "string", "maxLength": 12}, "country": {"type": "string", "maxLength": 12}}}}
     prompt = chat_ids(tok, "List three European capitals with their countries as JSON.")
-    for jump in (False, True):
-        plain, spec = default_pair(default_model_path, tok, disable_jump_forward=not jump)
-        outs = []
-        for sched in (plain, spec):
-            rid = submit(sched, prompt, max_new_tokens=120, json_schema=json.dumps(schema))
-            outs.append(run_until_idle(sched, on_step=check_drafts_freed)[rid])
-        assert outs[0]["output_ids"] == outs[1]["output_ids"]
-        value = json.loads(tok.decode(outs[1]["output_ids"], skip_special_tokens=True))
-        assert len(value) == 3 and all(set(v) == {"city", "country"} for v in value)
-        assert outs[1]["meta"]["spec_num_correct_drafts"] > 0
+    plain, spec = pair if jump else default_pair(default_model_path, tok, disable_jump_forward=True)
+    outs = []
+    for sched in (plain, spec):
+        rid = submit(sched, prompt, max_new_tokens=120, json_schema=json.dumps(schema))
+        outs.append(run_until_idle(sched, on_step=check_drafts_freed)[rid])
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    value = json.loads(tok.decode(outs[1]["output_ids"], skip_special_tokens=True))
+    assert len(value) == 3 and all(set(v) == {"city", "country"} for v in value)
+    assert outs[1]["meta"]["spec_num_correct_drafts"] > 0
 
 
 def test_valid_prefix_cuts_a_draft_at_the_first_token_the_grammar_refuses(default_model_path, tok) -> None:

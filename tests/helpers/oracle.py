@@ -2,20 +2,51 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Protocol
+import os
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 
 
-@functools.lru_cache(maxsize=8)
+@contextlib.contextmanager
+def gguf_pure_calls_shared() -> Iterator[None]:
+    """During one transformers load of a GGUF: the ``gguf`` package's reader parses a file once
+    (transformers parses it for the config, then again for the weights: seconds each for the
+    default model's vocabulary), and its tensor name map is built once per architecture and
+    layer count (transformers builds it again for every submodule).  Both are pure: the model
+    loaded is the same."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: str, mode: str = "r") -> Any:
+        key = (os.path.abspath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
+# Unbounded: the tiny models are small, and the default model's load (transformers reading
+# its GGUF, ~10 s) is paid once a session however many tiny folders are used between its users.
+@functools.cache
 def hf_model(folder: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from radixserve.model.gguf_folder import transformers_args
 
     where, kwargs = transformers_args(folder)  # a GGUF model's folder: the file itself
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
+    with gguf_pure_calls_shared() if kwargs else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
     return model.eval()
 
 

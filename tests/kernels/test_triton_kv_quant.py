@@ -224,8 +224,7 @@ BATCHES = {
 }
 
 
-@pytest.mark.parametrize("batch", sorted(BATCHES))
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype, batch", each_value_then_slow(KV_DTYPES, sorted(BATCHES)))
 def test_backend_turns_the_basis_as_the_torch_backend(kv_dtype: str, batch: str) -> None:
     """Same 8-bit pool, same step: the Triton backend (rotation in torch around the kernels)
     stores the C++ store's bytes and attends as the torch backend's C++ kernel and a float64

@@ -89,17 +89,12 @@ def test_only_one_row_steps_take_it(tiny_model_dir) -> None:
 
 def test_without_vnni_no_weight_is_marked(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """Kernels built without AVX-512 VNNI (or none at all): every step keeps int4_linear."""
+    from helpers.cpu_ops import WithoutVnni
+
     from radixserve import cpu_ext as quant_ext
     from radixserve.model.loader import load_model
 
-    class NoVnni:
-        def __getattr__(self, name: str) -> object:
-            return getattr(OPS, name)
-
-        def q8_supported(self) -> bool:
-            return False
-
-    for ops in (NoVnni(), None):
+    for ops in (WithoutVnni(OPS), None):
         monkeypatch.setattr(quant_ext, "load", lambda ops=ops: ops)
         model = load_model(tiny_model_dir("llama"), torch.float32).model
         quantize_model(model, "int4", None, wide_one_row=True)

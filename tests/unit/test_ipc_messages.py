@@ -10,11 +10,13 @@ from one row list).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -272,10 +274,7 @@ def mutated(draw: st.DrawFn, cls: type | None = None, name: str | None = None) -
     return {**payload, name: replaced(payload[name], path, draw(JSON))}
 
 
-@pytest.mark.parametrize("cls, name", FIELDS, ids=[f"{c.TYPE}.{n}" for c, n in FIELDS])
-@settings(FUZZ, max_examples=25)
-@given(data=st.data())
-def test_one_value_mutated_to_any_other_json(cls: type, name: str, data: st.DataObject) -> None:
+def check_one_value_mutated(cls: type, name: str, data: st.DataObject) -> None:
     """Decoding succeeds exactly when the oracle says the mutated frame fits the annotations."""
     payload = data.draw(mutated(cls, name))
     values = {f.name: payload.get(f.name, f.default if f.default is not dataclasses.MISSING else [])
@@ -283,6 +282,22 @@ def test_one_value_mutated_to_any_other_json(cls: type, name: str, data: st.Data
     expected_ok = all(fits(v, HINTS[cls][k]) for k, v in values.items()) and rows_line_up(cls, values)
     msg = decode_or_value_error(orjson.dumps(payload))
     assert (msg is not None) == expected_ok, payload
+
+
+# Each field: 10 mutations in the default run, 25 with -m slow.
+@pytest.mark.parametrize("cls, name", FIELDS, ids=[f"{c.TYPE}.{n}" for c, n in FIELDS])
+@settings(FUZZ, max_examples=10)
+@given(data=st.data())
+def test_one_value_mutated_to_any_other_json(cls: type, name: str, data: st.DataObject) -> None:
+    check_one_value_mutated(cls, name, data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, name", FIELDS, ids=[f"{c.TYPE}.{n}" for c, n in FIELDS])
+@settings(FUZZ, max_examples=25)
+@given(data=st.data())
+def test_one_value_mutated_to_any_other_json_25_times(cls: type, name: str, data: st.DataObject) -> None:
+    check_one_value_mutated(cls, name, data)
 
 
 @settings(FUZZ, max_examples=100)
@@ -404,11 +419,18 @@ def frames() -> st.SearchStrategy[bytes]:
     )
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_chat_model: str) -> Any:
+@contextlib.contextmanager
+def fuzz_engine(tiny_chat_model: str, context_length: int) -> Iterator[Any]:
     from radixserve import Engine
 
-    with Engine(tiny_chat_model, max_total_tokens=4096, context_length=256, random_seed=0, dtype="float32") as eng:
+    with Engine(tiny_chat_model, max_total_tokens=4096, context_length=context_length, random_seed=0,
+                dtype="float32") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model: str) -> Any:
+    with fuzz_engine(tiny_chat_model, 64) as eng:
         yield eng
 
 
@@ -426,9 +448,7 @@ def push(addr: str, batch: list[bytes]) -> None:
     ctx.term()
 
 
-@settings(max_examples=25, deadline=None, database=None, derandomize=True)
-@given(batch=st.lists(frames(), min_size=1, max_size=8))
-def test_engine_processes_survive_fuzzed_frames(engine: Any, batch: list[bytes]) -> None:
+def push_to_every_process(engine: Any, batch: list[bytes]) -> None:
     """Every process input (scheduler, detokenizer, front end) gets the same frames."""
     paths = engine.procs.paths
     for addr in (paths.scheduler, paths.detokenizer, paths.frontend):
@@ -437,7 +457,7 @@ def test_engine_processes_survive_fuzzed_frames(engine: Any, batch: list[bytes])
     assert not engine.tm._recv_task.done()  # the front end's receive loop (in this process) runs
 
 
-def test_engine_serves_and_keeps_its_memory_invariant_after_fuzzing(engine: Any) -> None:
+def serves_and_keeps_its_memory_invariant(engine: Any) -> None:
     import psutil
 
     pids = [p.pid for p in engine.procs.procs.values()]
@@ -455,3 +475,31 @@ def test_engine_serves_and_keeps_its_memory_invariant_after_fuzzing(engine: Any)
     assert report["ok"], report
     assert report["locked_tokens"] == 0 and report["request_pages"] == 0
     assert engine.procs.dead_process() is None and all(psutil.pid_exists(p) for p in pids)
+
+
+# The default run sends 20 batches to an engine with a 64-token context (a made-up request among
+# them passes the checks and runs out in the next test); the slow run sends 25 to a fresh
+# engine with a 256-token context and checks it the same way.
+ENGINE_FUZZ = settings(deadline=None, database=None, derandomize=True)
+
+
+@settings(ENGINE_FUZZ, max_examples=20)
+@given(batch=st.lists(frames(), min_size=1, max_size=8))
+def test_engine_processes_survive_fuzzed_frames(engine: Any, batch: list[bytes]) -> None:
+    push_to_every_process(engine, batch)
+
+
+def test_engine_serves_and_keeps_its_memory_invariant_after_fuzzing(engine: Any) -> None:
+    serves_and_keeps_its_memory_invariant(engine)
+
+
+@pytest.mark.slow
+def test_engine_survives_25_fuzzed_batches_and_keeps_its_memory_invariant(tiny_chat_model: str) -> None:
+    with fuzz_engine(tiny_chat_model, 256) as eng:
+        @settings(ENGINE_FUZZ, max_examples=25)
+        @given(batch=st.lists(frames(), min_size=1, max_size=8))
+        def fuzz(batch: list[bytes]) -> None:
+            push_to_every_process(eng, batch)
+
+        fuzz()
+        serves_and_keeps_its_memory_invariant(eng)
