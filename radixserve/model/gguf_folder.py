@@ -119,15 +119,22 @@ def ensure_folder(gguf_path: str, target: str) -> str:
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     check_gguf(gguf_path)
-    if is_ready(target):
+    if _is_ready_for(target, gguf_path):
         return target
     with _lock(target):
-        if not is_ready(target):  # another process may have finished meanwhile
-            if os.path.isdir(target):  # an older layout (a float copy of the weights)
-                logger.info("removing %s: an older cache layout", target)
+        if not _is_ready_for(target, gguf_path):  # another process may have finished meanwhile
+            if os.path.isdir(target):  # an older layout, or the same file at another path
+                logger.info("rewriting %s: an older cache layout or another file's", target)
                 shutil.rmtree(target)
             write_folder(gguf_path, target)
     return target
+
+
+def _is_ready_for(target: str, gguf_path: str) -> bool:
+    """Whether ``target`` is complete and reads its weights from ``gguf_path`` (the default
+    model's folder is keyed by its name alone: another environment's package, perhaps since
+    removed, may have written it)."""
+    return is_ready(target) and gguf_file_of(target) == os.path.abspath(gguf_path)
 
 
 @contextmanager

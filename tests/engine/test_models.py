@@ -272,6 +272,27 @@ def test_default_model_folder_is_written_once(
                for f in os.listdir(default_model_path)) < 8 * 2**20
 
 
+def test_a_folder_that_reads_another_path_is_rewritten(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's folder is keyed by its name: a folder written by another environment's
+    package (its gguf.json naming a file that may be gone) is written again for this one's."""
+    import json
+    import shutil
+
+    from radixserve.model.default_model import default_gguf_path, default_model_path
+    from radixserve.model.gguf_folder import SOURCE_FILE, gguf_file_of
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    elsewhere = tmp_path / "other-env" / os.path.basename(default_gguf_path())
+    elsewhere.parent.mkdir()
+    shutil.copyfile(default_gguf_path(), elsewhere)
+    folder = default_model_path()
+    with open(os.path.join(folder, SOURCE_FILE), "w") as f:
+        json.dump({"source": str(elsewhere)}, f)
+    elsewhere.unlink()  # that environment is gone
+    assert default_model_path() == folder
+    assert gguf_file_of(folder) == os.path.abspath(default_gguf_path())
+
+
 def test_failed_folder_write_leaves_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
