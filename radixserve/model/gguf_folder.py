@@ -296,9 +296,9 @@ def write_folder(gguf_path: str, target: str) -> None:
         with tqdm(total=2, desc=f"radixserve: reading {name}", unit="step") as bar:
             bar.set_postfix_str("config")
             index = read_gguf_index(gguf_path, values=True)
-            own_reader = not _reads_gguf_metadata()
+            hf_reads = not _reads_gguf_metadata()
             with _quiet_transformers():
-                config = (AutoConfig.from_pretrained(folder, gguf_file=name) if own_reader
+                config = (AutoConfig.from_pretrained(folder, gguf_file=name) if hf_reads
                           else gguf_config(index))
             saved = config.to_dict()
             saved.pop("_name_or_path", None)
@@ -314,7 +314,7 @@ def write_folder(gguf_path: str, target: str) -> None:
             bar.update(1)
             bar.set_postfix_str("tokenizer")
             with _quiet_transformers():
-                tokenizer = (AutoTokenizer.from_pretrained(folder, gguf_file=name) if own_reader
+                tokenizer = (AutoTokenizer.from_pretrained(folder, gguf_file=name) if hf_reads
                              else gguf_tokenizer(index, config))
                 tokenizer.save_pretrained(tmp)
             with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
