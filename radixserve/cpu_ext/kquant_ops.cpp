@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -103,14 +104,14 @@ inline void kq_pairs(const float* x, const uint8_t* w, float* y, int64_t K, int6
     kq_tile<Q, MT, 2>(x, w, y, K, N, m, n + i, std::min(2, nb - i), ahead);
 }
 
-// Every row of x times output rows [n0, n1).
+// Every row of x times output rows [n0, n1); rows [n1, reach) come next on this thread.
 template <typename Q>
 void kq_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N,
-             int64_t n0, int64_t n1) {
+             int64_t n0, int64_t n1, int64_t reach) {
   const int64_t row_bytes = K / QK_K * Q::BYTES;
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
-    const int64_t ahead = n + nb < n1 ? NB * row_bytes : 0;
+    const int64_t ahead = n + nb < reach ? NB * row_bytes : 0;
 #if defined(__AVX512F__)
     // 32 vector registers: up to 8 rows of x a pass, so a verify step's rows form each weight once
     int64_t m = 0;
@@ -155,7 +156,7 @@ const float* rows_as_float(const at::Tensor& x, std::vector<float>& buf) {
 }
 
 using RowsFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t,
-                        int64_t);
+                        int64_t, int64_t);
 
 // The row loop of a part's type, told apart by its bytes per super-block (144, 176, 210).
 RowsFn rows_of(const at::Tensor& part, int64_t K) {
@@ -171,6 +172,27 @@ RowsFn rows_of(const at::Tensor& part, int64_t K) {
                         "(", Q4K::BYTES, "), Q5_K (", Q5K::BYTES, ") or Q6_K (", Q6K::BYTES, ")");
   }
 }
+
+constexpr int64_t CHUNK = 4 * NB;  // output rows a thread takes at a time
+
+// A thread's run [n0, n1) of a part's rows, in chunks of CHUNK rows: ``ends`` holds the first
+// chunk not yet taken (low 32 bits) and one past the last (high 32 bits); the owner takes from
+// the front, the other threads from the back.
+struct alignas(64) Share {
+  int64_t n0 = 0, n1 = 0, col = 0;  // col: the part's first column of y
+  std::atomic<uint64_t> ends{0};
+  // A chunk's index, or -1 when none is left.
+  int64_t take(bool back) {
+    uint64_t e = ends.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = e & 0xFFFFFFFFu, end = e >> 32;
+      if (front >= end) return -1;
+      const uint64_t next = back ? (end - 1) << 32 | front : end << 32 | (front + 1);
+      if (ends.compare_exchange_weak(e, next, std::memory_order_relaxed))
+        return static_cast<int64_t>(back ? end - 1 : front);
+    }
+  }
+};
 
 }  // namespace
 
@@ -208,20 +230,55 @@ at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& b0, const at::Tensor
   const bool direct = x.scalar_type() == at::kFloat;
   std::unique_ptr<float[]> buf(direct ? nullptr : new float[M * N]);  // all written below
   float* sums = direct ? y.data_ptr<float>() : buf.get();
-  int64_t col = 0;  // the part's first output row: columns [col, col + N_i) of y
-  for (const auto& [rows, part] : parts) {
-    const int64_t n = part->size(0);
-    const uint8_t* wp = part->data_ptr<uint8_t>();
-    const int bytes = static_cast<int>(part->size(2));
-    at::parallel_for(0, (n + NB - 1) / NB, 16, [&](int64_t t0, int64_t t1) {
-      if (wide)
-        kq_wide_rows(xw[bytes == Q6K::BYTES].data(), wp, bytes, sums + col, M, K, N, t0 * NB,
-                     std::min(n, t1 * NB));
-      else
-        rows(xp, wp, sums + col, M, K, N, t0 * NB, std::min(n, t1 * NB));
-    });
+  // Each thread owns an equal run of every part's rows (a share), and goes through its shares
+  // from the front, chunk by chunk, the next chunk's rows asked for as it streams one; a thread
+  // done with its own takes the chunks still left in the others' shares, one at a time from
+  // their back.  A step's threads then finish together even when one of them is held up (the
+  // OS lends its core to a server's front end or detokenizer, the two memory streams run at
+  // unequal rates), where a fixed split leaves the others waiting at the region's end.
+  // (a weight of few rows on one thread: at least 16 tiles a thread)
+  const int64_t threads = std::clamp<int64_t>(N / (16 * NB), 1, at::get_num_threads());
+  const int64_t np = static_cast<int64_t>(parts.size());
+  std::vector<Share> shares(np * threads);
+  for (int64_t p = 0, col = 0; p < np; ++p) {
+    const int64_t n = parts[p].second->size(0);
+    const int64_t step = (n + threads - 1) / threads;
+    const int64_t per = (step + NB - 1) / NB * NB;  // rows a share, whole tiles
+    for (int64_t t = 0; t < threads; ++t) {
+      Share& sh = shares[p * threads + t];
+      sh.n0 = std::min(n, t * per);
+      sh.n1 = std::min(n, sh.n0 + per);
+      sh.col = col;
+      sh.ends.store(static_cast<uint64_t>((sh.n1 - sh.n0 + CHUNK - 1) / CHUNK) << 32);
+    }
     col += n;
   }
+  const auto run = [&](int64_t s, int64_t c, bool own) {
+    const Share& sh = shares[s];
+    const auto& [rows, part] = parts[s / threads];
+    const int64_t n0 = sh.n0 + c * CHUNK, n1 = std::min(sh.n1, n0 + CHUNK);
+    const int64_t reach = own ? sh.n1 : n1;  // the owner goes on to the next chunk
+    const uint8_t* wp = part->data_ptr<uint8_t>();
+    const int bytes = static_cast<int>(part->size(2));
+    if (wide)
+      kq_wide_rows(xw[bytes == Q6K::BYTES].data(), wp, bytes, sums + sh.col, M, K, N, n0, n1,
+                   reach);
+    else
+      rows(xp, wp, sums + sh.col, M, K, N, n0, n1, reach);
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t p = 0; p < np; ++p) {
+        const int64_t s = p * threads + t;
+        for (int64_t c; (c = shares[s].take(false)) >= 0;) run(s, c, true);
+      }
+      for (int64_t p = 0; p < np; ++p)
+        for (int64_t u = 1; u < threads; ++u) {
+          const int64_t s = p * threads + (t + u) % threads;
+          for (int64_t c; (c = shares[s].take(true)) >= 0;) run(s, c, false);
+        }
+    }
+  });
   if (!direct)
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "kq_linear", [&] {
       scalar_t* dst = y.data_ptr<scalar_t>();
@@ -236,7 +293,7 @@ at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& b0, const at::Tensor
 // after the other (a merged q/k/v layer's parts may be of different types: a Q4_K_M file's v in
 // Q6_K); each part uint8 [N_i, K / 256, bytes per super-block], an empty tensor for none.
 // Returns [M, sum N_i] in x's dtype: float32 sums, other dtypes rounded once (c10's
-// round-to-nearest-even).  Output rows in chunks of whole tiles on the threads, part by part.
+// round-to-nearest-even).  Output rows in chunks of whole tiles on the threads (kq_matmul).
 at::Tensor kq_linear(at::Tensor x, at::Tensor b0, at::Tensor b1, at::Tensor b2) {
   return kq_matmul(x, b0, b1, b2, false);
 }

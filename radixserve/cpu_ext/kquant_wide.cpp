@@ -133,14 +133,14 @@ struct Q6KWide {
 };
 
 // Output rows [n0, n1) of the M rows of x, TILE output rows at a time; `ahead` bytes on, the
-// next tile's rows are asked for as a tile streams its own.
+// next tile's rows (up to `reach`) are asked for as a tile streams its own.
 template <typename Q>
 void wide_rows(const KqWideRow* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N,
-               int64_t n0, int64_t n1) {
+               int64_t n0, int64_t n1, int64_t reach) {
   const int64_t blocks = K / QK_K, row_bytes = blocks * Q::BYTES;
   for (int64_t n = n0; n < n1; n += TILE) {
     const int nb = static_cast<int>(std::min<int64_t>(TILE, n1 - n));
-    const int64_t ahead = n + nb < n1 ? TILE * row_bytes : 0;
+    const int64_t ahead = n + nb < reach ? TILE * row_bytes : 0;
     for (int64_t m = 0; m < M; ++m) {
       const KqWideRow& xr = x[m];
       __m512 acc[TILE];
@@ -203,11 +203,11 @@ void kq_wide_row(const float* x, int64_t K, bool q6k, KqWideRow& row) {
 }
 
 void kq_wide_rows(const KqWideRow* x, const uint8_t* w, int bytes, float* y, int64_t M,
-                  int64_t K, int64_t N, int64_t n0, int64_t n1) {
+                  int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t reach) {
   switch (bytes) {
-    case Q4K::BYTES: return wide_rows<Q4KWide<false>>(x, w, y, M, K, N, n0, n1);
-    case Q5K::BYTES: return wide_rows<Q4KWide<true>>(x, w, y, M, K, N, n0, n1);
-    case Q6K::BYTES: return wide_rows<Q6KWide>(x, w, y, M, K, N, n0, n1);
+    case Q4K::BYTES: return wide_rows<Q4KWide<false>>(x, w, y, M, K, N, n0, n1, reach);
+    case Q5K::BYTES: return wide_rows<Q4KWide<true>>(x, w, y, M, K, N, n0, n1, reach);
+    case Q6K::BYTES: return wide_rows<Q6KWide>(x, w, y, M, K, N, n0, n1, reach);
     default: TORCH_CHECK(false, "kq_wide_rows: Q4_K, Q5_K or Q6_K blocks, got ", bytes, " bytes");
   }
 }
@@ -221,7 +221,7 @@ void kq_wide_row(const float*, int64_t, bool, KqWideRow&) {
 }
 
 void kq_wide_rows(const KqWideRow*, const uint8_t*, int, float*, int64_t, int64_t, int64_t,
-                  int64_t, int64_t) {
+                  int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "kq_linear_q16: this build has no AVX-512 VNNI");
 }
 

@@ -26,6 +26,7 @@ bool kq_wide_supported();
 void kq_wide_row(const float* x, int64_t K, bool q6k, KqWideRow& row);
 
 // y[m][n] for output rows [n0, n1) of the blocks w ([N][K / 256] of 144 bytes: Q4_K, 176: Q5_K,
-// 210: Q6_K) and the M rows of x laid out for that type (y's rows N apart).
+// 210: Q6_K) and the M rows of x laid out for that type (y's rows N apart).  Rows [n1, reach)
+// come next on this thread: the last tile asks for them as the others do for the next tile.
 void kq_wide_rows(const KqWideRow* x, const uint8_t* w, int bytes, float* y, int64_t M,
-                  int64_t K, int64_t N, int64_t n0, int64_t n1);
+                  int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t reach);

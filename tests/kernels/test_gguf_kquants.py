@@ -170,6 +170,31 @@ def test_a_weight_of_parts_of_several_types(dtype: torch.dtype) -> None:
         qkv.take_rows(torch.tensor([0]))
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_threads_split_changes_no_bit(wide: bool) -> None:
+    """kq_linear's threads each own a share of every part's rows and take what is left of the
+    others' shares: whatever the number of threads (more than the cores, so that one is held up
+    and its share taken), each output is computed whole by one thread, the same bits."""
+    if wide and not OPS.q8_supported():
+        pytest.skip("the CPU kernels were built without AVX-512 VNNI")
+    parts = [quantized_blocks(n, 4 * QK_K, kind, 20 + i)
+             for i, (n, kind) in enumerate([(301, "Q4_K"), (130, "Q6_K"), (67, "Q5_K")])]
+    x = torch.randn(1, 4 * QK_K)
+    name = "kq_linear_q16" if wide else "kq_linear"
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            outs += [getattr(OPS, name)(x, *parts) for _ in range(3)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(same_bits(out, outs[0]) for out in outs[1:])
+    single = [getattr(OPS, name)(x, part, torch.empty(0, dtype=torch.uint8),
+                                 torch.empty(0, dtype=torch.uint8)) for part in parts]
+    assert same_bits(outs[0], torch.cat(single, dim=1))
+
+
 def test_bad_shapes_and_kinds_are_refused() -> None:
     with pytest.raises(ValueError, match="kind must be one of"):
         KQuantWeight(torch.zeros((2, 1, 110), dtype=torch.uint8), "Q3_K", torch.float32)
