@@ -7,7 +7,14 @@ import sys
 from collections.abc import Callable
 
 import pytest
-import torch
+
+# OpenMP threads that wait for work sleep instead of spinning: the test processes and the servers
+# they start share the machine's cores, and a spinning thread takes a core from another process
+# (a server's scheduler spins between its steps).  Read when libgomp loads (torch's import, here
+# and in every server the tests start); results do not depend on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Without a CUDA device Triton kernels run in its interpreter; set before anything imports triton.
 if not torch.cuda.is_available():
