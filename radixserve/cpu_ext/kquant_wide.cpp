@@ -34,8 +34,7 @@
 
 namespace {
 
-constexpr int TILE = 4;             // output rows per tile
-constexpr float X16_MAX = 32639.f;  // 127 * 257: hi stays in [-127, 127] (linear_ops' Q16_MAX)
+constexpr int TILE = 4;  // output rows per tile
 
 // A block's place in a Q4_K row's order: blocks 0, 2, 1, 3, 4, 6, 5, 7.
 constexpr int q4k_place(int s) { return (s & 4) | ((s & 1) << 1) | ((s & 2) >> 1); }
@@ -169,36 +168,25 @@ void kq_wide_row(const float* x, int64_t K, bool q6k, KqWideRow& row) {
   row.hi.resize(K);
   row.lo.resize(K);
   row.scales.resize(per * blocks);
-  const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
   for (int64_t b = 0; b < blocks; ++b)
     for (int s = 0; s < 8; ++s) {
       const float* src = x + b * QK_K + 32 * s;
       const __m512 a[2] = {_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16)};
       const float amax =
           _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a[0]), _mm512_abs_ps(a[1])));
-      // a block below 1e-30 in magnitude counts as zeros; its exact sum still enters
-      const __m512 inv = _mm512_set1_ps(amax > 1e-30f ? X16_MAX / amax : 0.f);
       float* sc = row.scales.data() + per * b;
       if (q6k) {
-        sc[2 * s] = sc[2 * s + 1] = amax / X16_MAX;
+        sc[2 * s] = sc[2 * s + 1] = amax / Q16_MAX;
         sc[16 + 2 * s] = _mm512_reduce_add_ps(a[0]);
         sc[16 + 2 * s + 1] = _mm512_reduce_add_ps(a[1]);
       } else {
-        sc[s] = amax / X16_MAX;
+        sc[s] = amax / Q16_MAX;
         sc[8 + s] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
       }
+      // a block below 1e-30 in magnitude counts as zeros; its exact sum still enters
       const int64_t at = b * QK_K + 32 * (q6k ? s : q4k_place(s));
-      for (int half = 0; half < 2; ++half) {
-        const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a[half], inv), rnd);
-        const __m512i lo =
-            _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
-        const __m512i hi = _mm512_srai_epi32(_mm512_sub_epi32(v, lo), 8);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(row.hi.data() + at + 16 * half),
-                         _mm512_cvtepi32_epi8(hi));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(row.lo.data() + at + 16 * half),
-                         _mm512_cvtepi32_epi8(lo));
-      }
+      split_block16(a[0], a[1], amax > 1e-30f ? Q16_MAX / amax : 0.f, row.hi.data() + at,
+                    row.lo.data() + at, 16);
     }
 }
 

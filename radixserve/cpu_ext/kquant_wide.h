@@ -18,7 +18,7 @@ struct KqWideRow {
   std::vector<float> scales;
 };
 
-// Whether the kernels were built for AVX-512 VNNI (the only build kq4_wide_rows runs in).
+// Whether the kernels were built for AVX-512 VNNI (the only build kq_wide_rows runs in).
 bool kq_wide_supported();
 
 // x's K floats (a whole number of super-blocks) into `row`, laid out for Q6_K or for Q4_K and

@@ -347,25 +347,6 @@ struct Q8Row {
   std::vector<float> sum;   // per block
 };
 
-// The largest |x16| of a wide row: 127 * 257, so that x16 = 256 xs + xl with xl in [-128, 127]
-// leaves xs in [-127, 127].
-constexpr float Q16_MAX = 32639.f;
-
-// A block of x times `inv` as 16-bit integers split into signed bytes, x16 = 256 hi + lo (lo in
-// [-128, 127]), stored at `hi` and `lo` (weights 0-15 and 16-31 64 bytes apart).
-inline void split_block16(__m512 a0, __m512 a1, float inv, int8_t* hi, int8_t* lo) {
-  const __m512 iv = _mm512_set1_ps(inv);
-  const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
-  for (int half = 0; half < 2; ++half) {
-    const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(half ? a1 : a0, iv), rnd);
-    const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
-    const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + half * 64), _mm512_cvtepi32_epi8(h));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + half * 64), _mm512_cvtepi32_epi8(l));
-  }
-}
-
 // `nibbles`: the layout 4-bit weights read (xs and cx), else int8 weights' (xq); `wide` (with
 // nibbles): x in 16 bits as two bytes (xs and xl), dx = amax / Q16_MAX.
 void quantize_row_q8(const float* x, int64_t K, bool nibbles, bool wide, Q8Row& row) {
@@ -395,7 +376,7 @@ void quantize_row_q8(const float* x, int64_t K, bool nibbles, bool wide, Q8Row& 
     for (int l = 0; l < 4; ++l) row.dx[g * 16 + i * 4 + l] = dx;
     if (wide) {
       split_block16(a0, a1, inv, row.xs.data() + g * 128 + i * 16,
-                    row.xl.data() + g * 128 + i * 16);
+                    row.xl.data() + g * 128 + i * 16, 64);
       continue;
     }
     uint8_t* lo =

@@ -247,6 +247,28 @@ inline void prefetch_line(const char* p) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// x in 16-bit integers as two signed bytes, x16 = 256 hi + lo with lo in [-128, 127] (the 4-bit
+// and K-quant kernels' one-row steps: VNNI dot products of the weights' bytes with each): the
+// largest |x16| is 127 * 257, so that hi stays in [-127, 127].
+constexpr float Q16_MAX = 32639.f;
+
+// A block of 32 of x times `inv`, rounded to 16-bit integers and split into hi and lo bytes,
+// stored at `hi` and `lo`: weights 0-15, and weights 16-31 `gap` bytes on.
+inline void split_block16(__m512 a0, __m512 a1, float inv, int8_t* hi, int8_t* lo, int gap) {
+  const __m512 iv = _mm512_set1_ps(inv);
+  const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+  for (int half = 0; half < 2; ++half) {
+    const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(half ? a1 : a0, iv), rnd);
+    const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
+    const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + half * gap), _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + half * gap), _mm512_cvtepi32_epi8(l));
+  }
+}
+#endif
+
 // W floats stored as the output's element type: float32 as they are, bfloat16 rounded to nearest
 // even in vectors (a scalar conversion per element would make a bfloat16 dequantization cost
 // more than the matmul it feeds), others element by element.

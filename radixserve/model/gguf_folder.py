@@ -295,8 +295,8 @@ def write_folder(gguf_path: str, target: str) -> None:
     try:
         with tqdm(total=2, desc=f"radixserve: reading {name}", unit="step") as bar:
             bar.set_postfix_str("config")
-            index = read_gguf_index(gguf_path, values=True)
-            hf_reads = not _reads_gguf_metadata()
+            hf_reads = not _reads_gguf_metadata()  # then the values are transformers' to read
+            index = read_gguf_index(gguf_path, values=not hf_reads)
             with _quiet_transformers():
                 config = (AutoConfig.from_pretrained(folder, gguf_file=name) if hf_reads
                           else gguf_config(index))

@@ -66,8 +66,8 @@ def _weights(model: nn.Module, but: nn.Module | None = None) -> list[QuantizedWe
 
 
 def _take_wide_one_row(model: nn.Module) -> None:
-    """Mark the 4-bit weights' one-row steps for ``int4_linear_q16`` (a GGUF's Q4_K parts:
-    ``kq_linear_q16``) where this CPU's kernels run it."""
+    """Mark the 4-bit weights' one-row steps for ``int4_linear_q16`` (a GGUF's K-quant
+    weights': ``kq_linear_q16``) where this CPU's kernels run it."""
     ops = cpu_ext.load()
     weights = [w for w in _weights(model) if w.takes_wide_one_row]
     if not weights or ops is None or not ops.q8_supported():
