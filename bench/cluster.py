@@ -166,8 +166,10 @@ def measure(label: str, bases: list[str], route: list[int], workers: list[str], 
     for w, b in zip(workers, before, strict=True):
         a = worker_stats(w)
         prompt = a["prompt_tokens"] - b["prompt_tokens"]
+        cached = a["cached_tokens"] - b["cached_tokens"]
         per_worker.append({"url": w, "requests": a["requests_finished"] - b["requests_finished"],
-                           "hit_rate": (a["cached_tokens"] - b["cached_tokens"]) / prompt if prompt else None,
+                           "prompt_tokens": prompt, "cached_tokens": cached,
+                           "hit_rate": cached / prompt if prompt else None,
                            "evicted_tokens": a["evicted_tokens"] - b["evicted_tokens"]})
     print(f"[{label}] hit rate {summary['cache_hit_rate']:.1%}, {duration:.1f} s; per worker "
           + ", ".join(f"{p['requests']} requests at {p['hit_rate'] or 0:.1%}" for p in per_worker), flush=True)

@@ -32,9 +32,15 @@ def test_quick_cluster_report(tmp_path, tiny_chat_model, policies: list[str] | N
         s = r["summary"]
         assert s["completed"] == requests and s["failed"] == 0, r["config"]
         assert s["cache_hit_rate"] <= report["routing"]["workload"]["ideal_hit_rate"] + 0.05
-        # round_robin's hits depend on arrival timing: at concurrency 4 a group's next question can
-        # reach a worker before its first one's prefix is in that worker's tree.
-        assert s["cache_hit_rate"] > 0 or r["config"] == "round_robin", r["config"]
+        # What the answers' usage said, through the router or not, is what the workers counted.
+        workers = r["workers"]
+        assert sum(w["requests"] for w in workers) == requests, r["config"]
+        assert sum(w["prompt_tokens"] for w in workers) == s["input_tokens"], r["config"]
+        assert sum(w["cached_tokens"] for w in workers) == s["cached_tokens"], r["config"]
+        # Only the runs that place requests themselves must hit: the router's choices follow the
+        # workers' load, and on a busy machine it may send most groups to one worker, whose pool
+        # (half of the groups) then evicts each group's prefix before its next question.
+        assert s["cache_hit_rate"] > 0 or r["config"] not in ("direct", "single"), r["config"]
         assert s["output_tokens"] == requests * report["params"]["output_len"]
     tp = report["tensor_parallel"]["runs"]
     assert [(r["dtype"], r["tp"]) for r in tp] == [("float32", 1), ("float32", 2)]
