@@ -10,6 +10,7 @@ from typing import Any
 # config.cpu_bf16_feature is what resolve() reads (tests patch it)
 from radixserve.hardware import (
     _torch_cuda,
+    check_quantization_device,
     cpu_bf16_feature,
     resolve_quantization,
     torch_build_has_cuda,
@@ -324,6 +325,7 @@ class ServerArgs:
             else None
         )
         quantization = resolve_quantization(self.quantization, source, not on_gpu, self.tp_size)
+        check_quantization_device(quantization, not on_gpu)
         if quantization == "gguf" and source is None:
             raise ValueError(
                 f"quantization gguf serves a .gguf model's own blocks; {self.model!r} is not a "

@@ -71,3 +71,14 @@ def resolve_quantization(mode: str, gguf_path: str | None, on_cpu: bool, tp_size
 
     usable = gguf_path is not None and on_cpu and tp_size == 1
     return "gguf" if usable and served_tensor_count(gguf_path) else "none"
+
+
+def check_quantization_device(quantization: str, on_cpu: bool) -> None:
+    """A ValueError for a resolved ``quantization`` whose weights this device cannot multiply:
+    every method but ``none`` runs its weights through the CPU kernels (``QuantMethod.on_gpu``
+    in quantization/base.py says the same, above this module)."""
+    if not on_cpu and quantization != "none":
+        raise ValueError(
+            f"quantization {quantization} multiplies its weights with the CPU kernels; on a GPU "
+            "serve the checkpoint's float weights (quantization none or auto) or use --device cpu"
+        )

@@ -188,10 +188,13 @@ class ChatCall:
                                top_n=self.body.top_logprobs or 0, rid=rid, hints=h)
                 for p, rid, h in zip(self.choice_params, rids, hints, strict=True)]
 
-    def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+    def chunk(self, choices: list[dict[str, Any]], usage: Any = None,
+              so_far: int | None = None) -> bytes:
+        """A chunk of the stream; ``so_far``: its choice's completion tokens as of it."""
         head = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.st.model_name}
-        return chunk_event(head, choices, self.body.include_usage, usage)
+        progress = None if so_far is None else (len(self.ids), so_far)
+        return chunk_event(head, choices, self.body, usage, progress)
 
 
 @dataclass
@@ -344,7 +347,7 @@ async def _chat_chunks(call: ChatCall) -> AsyncIterator[bytes]:
         if i not in started:
             started.add(i)
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
+                          "logprobs": None, "finish_reason": None}], so_far=0)
         meta, finished = piece.meta, piece.finished
         if spec.active:
             pieces = parsers[i].feed(piece.text) + (parsers[i].finish() if finished else [])
@@ -368,7 +371,8 @@ async def _chat_chunks(call: ChatCall) -> AsyncIterator[bytes]:
                 held[i] = ([], [], [])
             last = finished and k == len(deltas) - 1
             yield chunk([{"index": i, "delta": delta, "logprobs": lp,
-                          "finish_reason": _finish_reason(meta, has_calls[i]) if last else None}])
+                          "finish_reason": _finish_reason(meta, has_calls[i]) if last else None}],
+                        so_far=meta.completion_tokens)
         if finished:
             completion += meta.completion_tokens
             if i == 0:

@@ -124,10 +124,12 @@ class _CompletionCall:
         return _completion_logprobs(self.st, self.jobs[i][0], piece.input_logprobs,
                                     piece.input_top_logprobs, 0)
 
-    def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+    def chunk(self, choices: list[dict[str, Any]], usage: Any = None,
+              progress: tuple[int, int] | None = None) -> bytes:
+        """A chunk of the stream; ``progress``: its choice's prompt and completion tokens."""
         head = {"id": self.cid, "object": "text_completion", "created": self.created,
                 "model": self.st.model_name}
-        return chunk_event(head, choices, self.body.include_usage, usage)
+        return chunk_event(head, choices, self.body, usage, progress)
 
 
 def _prepare_completion(st: ServerState, body: CompletionRequest) -> _CompletionCall:
@@ -200,7 +202,8 @@ async def _completion_chunks(call: _CompletionCall) -> AsyncIterator[bytes]:
                 held[i] = {"prompt": None, "ids": [], "lps": [], "tops": []}
             text_pos[i] += len(text)
             yield call.chunk([{"index": i, "text": text, "logprobs": lp,
-                               "finish_reason": piece.meta.finish_type if finished else None}])
+                               "finish_reason": piece.meta.finish_type if finished else None}],
+                             progress=(len(call.jobs[i][0]), piece.meta.completion_tokens))
         if finished:
             completion += piece.meta.completion_tokens
             if i % body.n == 0:

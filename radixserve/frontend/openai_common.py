@@ -33,12 +33,18 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def chunk_event(head: dict[str, Any], choices: list[dict[str, Any]], include_usage: bool,
-                usage: Any = None) -> bytes:
+def chunk_event(head: dict[str, Any], choices: list[dict[str, Any]], body: Any,
+                usage: Any = None, progress: tuple[int, int] | None = None) -> bytes:
     """One streamed chunk of an OpenAI response: ``head`` (id, object, created, model), the
-    choices' deltas, and ``usage`` (null until the last chunk) when the client asked for it."""
+    choices' deltas, and, when the client asked for it (``body.include_usage``), ``usage``: null
+    until the last chunk, or with ``body.continuous_usage`` the chunk's choice's ``progress``
+    (its prompt and completion tokens so far) as vLLM sends it."""
     obj = {**head, "choices": choices}
-    if include_usage:
+    if body.include_usage:
+        if usage is None and progress is not None and body.continuous_usage:
+            prompt, completion = progress
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                     "total_tokens": prompt + completion}
         obj["usage"] = usage
     return sse_event(obj)
 

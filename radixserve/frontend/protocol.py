@@ -84,7 +84,7 @@ __all__ = [
 
 class StreamOptions(Body):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM: usage on every chunk
+    continuous_usage_stats: StrictBool = False  # vLLM: usage on every chunk (with include_usage)
     include_obfuscation: StrictBool | None = None  # ignored (IGNORED_FIELDS)
 
 
@@ -185,6 +185,12 @@ class _SamplingFields(sampling_fields_model(RequestBody)):  # type: ignore[misc]
     def include_usage(self) -> bool:
         """A streamed response ends with a usage chunk (``stream_options.include_usage``)."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk also carries its choice's usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``, with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def hints(self, requests: int = 1, prompts: int = 1,
               lora: str | None = None) -> list[SchedulingHints]:

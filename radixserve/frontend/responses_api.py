@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from radixserve.chat.parsers.reasoning import THINK_END
 from radixserve.chat.responses import (
     FIELD_RENAMES,
     ResponsesRequest,
@@ -81,7 +82,7 @@ class _ResponsesCall:
             raise renamed(e, field_names(self.body, self.origins), FIELD_RENAMES) from None
 
     def response(self, status: str, output: list[dict[str, Any]],
-                 meta: RequestMeta | None = None,
+                 usage: dict[str, Any] | None = None,
                  incomplete: dict[str, str] | None = None) -> dict[str, Any]:
         b = self.body
         fmt = b.text.format if b.text is not None and b.text.format is not None else None
@@ -99,22 +100,25 @@ class _ResponsesCall:
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)
                      if fmt is not None else {"type": "text"}},
             "metadata": b.metadata or {},
-            "usage": None if meta is None else self.usage(meta),
+            "usage": usage,
         }
 
-    def usage(self, meta: RequestMeta) -> dict[str, Any]:
-        prompt, output = len(self.call.ids), meta.completion_tokens
+    def usage(self, meta: RequestMeta, output_ids: list[int],
+              output: list[dict[str, Any]]) -> dict[str, Any]:
+        prompt, generated = len(self.call.ids), meta.completion_tokens
+        reasoning = _reasoning_tokens(self.st.tokenizer, output_ids, output)
         return {"input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": meta.cached_tokens},
-                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": prompt + output}
+                "output_tokens": generated,
+                "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": prompt + generated}
 
     async def finish(self, meta: RequestMeta, output_ids: list[int],
                      output: list[dict[str, Any]]) -> dict[str, Any]:
         """The finished response (``output_ids``: every token it generated); stored, with its
         conversation pinned, when asked."""
         status, incomplete = _status(meta)
-        response = self.response(status, output, meta, incomplete)
+        response = self.response(status, output, self.usage(meta, output_ids, output), incomplete)
         if self.body.store:
             await self._store(response, output_ids)
         return response
@@ -138,6 +142,26 @@ class _ResponsesCall:
             await keep_warm(st, ids, salt, st.args.response_pin_ttl, lora)
         for gone in st.responses.put(self.namespace, self.rid, entry):
             await _unpin(st, gone)
+
+
+def _reasoning_tokens(tokenizer: Any, output_ids: list[int], output: list[dict[str, Any]]) -> int:
+    """The output tokens of the reasoning block (a ``reasoning`` item, from the reasoning
+    parser): those up to the one that completes ``</think>``, or all of them when the block
+    never closed (cut off).  Found by decoding prefixes (a binary search), so a closing tag of
+    several tokens counts as one of one."""
+    if not any(item["type"] == "reasoning" for item in output):
+        return 0
+
+    def closed(n: int) -> bool:
+        return THINK_END in tokenizer.decode(output_ids[:n], skip_special_tokens=False)
+
+    if not closed(len(output_ids)):
+        return len(output_ids)
+    low, high = 1, len(output_ids)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if closed(mid) else (mid + 1, high)
+    return low
 
 
 async def _unpin(st: ServerState, entry: StoredResponse) -> None:

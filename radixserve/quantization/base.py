@@ -52,6 +52,9 @@ class QuantMethod:
     auto_rank: ClassVar[int | None] = None
     auto_cpu_only: ClassVar[bool] = False
     one_rank: ClassVar[bool] = False  # its weights are served by one rank (tp_size 1)
+    # its weights run on a GPU (the float method); the others' kernels are cpu_ext's, and
+    # hardware.check_quantization_device refuses them there
+    on_gpu: ClassVar[bool] = False
     int8_activations: ClassVar[bool] = False  # --int8-activations may quantize x for its weights
     # the log line's description of the stored form (methods that round float weights)
     stored_as: ClassVar[str] = ""

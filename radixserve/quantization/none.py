@@ -12,6 +12,7 @@ from radixserve.quantization.base import QuantMethod
 class FloatMethod(QuantMethod):
     name = "none"
     auto_rank = 0
+    on_gpu = True
 
     def kernels(self) -> tuple[str, ...]:
         return ("float_linear",)

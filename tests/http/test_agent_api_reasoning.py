@@ -107,6 +107,28 @@ def test_responses_answer_a_reasoning_item_before_the_message(server) -> None:
     assert handed.output_text == ANSWER
 
 
+def test_responses_usage_counts_the_reasoning_tokens(server, tiny_chat_model) -> None:
+    """``output_tokens_details.reasoning_tokens``: the tokens through ``</think>``, streamed or
+    not; all of them when the block is cut off (none without a reasoning item:
+    tests/http/test_responses_api.py)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_chat_model)
+    block = tok.encode(REASONING + "</think>", add_special_tokens=False)
+    assert tok.encode(SCRIPT, add_special_tokens=False)[:len(block)] == block
+    client = openai_client(server)
+    resp = client.responses.create(model="tiny", input=ASK, max_output_tokens=40, temperature=0)
+    with client.responses.stream(model="tiny", input=ASK, max_output_tokens=40, temperature=0,
+                                 store=False) as stream:
+        streamed = stream.get_final_response()
+    for r in (resp, streamed):
+        assert r.usage.output_tokens_details.reasoning_tokens == len(block)
+        assert r.usage.output_tokens > len(block)
+    cut = client.responses.create(model="tiny", input=ASK, max_output_tokens=2, temperature=0)
+    assert cut.status == "incomplete" and cut.output[0].type == "reasoning"
+    assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens == 2
+
+
 def test_messages_answer_a_thinking_block_before_the_text(server) -> None:
     client = anthropic_client(server)
     msg = client.messages.create(model="tiny", max_tokens=40, messages=ASK, extra_body=GREEDY)

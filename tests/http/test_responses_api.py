@@ -53,6 +53,7 @@ def test_create_is_the_chat_request_of_the_same_conversation(server, client) -> 
     assert resp.output_text == chat.choices[0].message.content
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
     assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.usage.output_tokens_details.reasoning_tokens == 0  # no reasoning parser
     # The same prompt again: every prompt token but the last comes from the radix cache, on
     # either route.
     assert chat.usage.prompt_tokens_details.cached_tokens >= resp.usage.input_tokens - 1

@@ -176,6 +176,34 @@ def test_chat_stream_is_well_formed(client) -> None:
     assert text == full.choices[0].message.content
 
 
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(client) -> None:
+    """vLLM's ``continuous_usage_stats``: every chunk carries its choice's usage so far (0 on
+    the role chunk, growing with its tokens), the last chunk the whole call's; without it the
+    chunks' usage is null.  On both OpenAI routes, two choices."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, n=2,
+        temperature=0, stream=True, stream_options=options, extra_body={"ignore_eos": True}))
+    plain = list(client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=6, n=2, temperature=0, stream=True,
+        stream_options=options, extra_body={"ignore_eos": True}))
+    for chunks in (chat, plain):
+        prompt = chunks[-1].usage.prompt_tokens
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * 6
+        for index in (0, 1):
+            seen = [c.usage for c in chunks[:-1] if c.choices[0].index == index]
+            counts = [u.completion_tokens for u in seen]
+            assert counts == sorted(counts) and counts[-1] == 6, counts
+            assert all(u.prompt_tokens == prompt and u.total_tokens == prompt + u.completion_tokens
+                       for u in seen)
+        if chunks is chat:
+            assert chunks[0].usage.completion_tokens == 0  # the role chunk
+    quiet = list(client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in quiet[:-1]) and quiet[-1].usage.completion_tokens == 3
+
+
 def test_n_choices_seeds_and_stop(client) -> None:
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Count to ten."}], max_tokens=10)
     sampled = dict(n=2, seed=7, temperature=1.0, extra_body={"ignore_eos": True}, **kwargs)

@@ -14,7 +14,7 @@ import torch
 from radixserve import cpu_ext
 from radixserve.checkpoint import gguf_index
 from radixserve.config import INT8_ACTIVATION_MODES, QUANTIZATIONS
-from radixserve.hardware import resolve_quantization
+from radixserve.hardware import check_quantization_device, resolve_quantization
 from radixserve.quantization import Int4Weight, Int8Weight, registry
 from radixserve.quantization.base import QuantMethod
 
@@ -90,3 +90,17 @@ def test_auto_resolves_as_hardware_does(types: tuple[str, ...],
         assert got == want, (name, source, on_cpu, tp_size)
     served = bool(set(types) & set(registry.gguf_types()))
     assert registry.resolve("auto", "model.gguf", True, 1) == ("gguf" if served else "none")
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_a_gpu_refuses_the_methods_with_cpu_kernels(name: str) -> None:
+    """hardware's check (below the package) and each method's ``on_gpu`` agree: on a CPU every
+    method runs; on a GPU only the float method, the others refused naming the way out."""
+    check_quantization_device(name, on_cpu=True)
+    if registry.get_method(name).on_gpu:
+        check_quantization_device(name, on_cpu=False)
+    else:
+        with pytest.raises(ValueError, match=f"quantization {name} multiplies its weights with "
+                                             "the CPU kernels.*--device cpu"):
+            check_quantization_device(name, on_cpu=False)
+    assert registry.get_method(name).on_gpu == (name == "none")
