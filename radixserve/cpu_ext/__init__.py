@@ -43,7 +43,7 @@ SOURCES = [Path(__file__).with_name(name)
                          "kv_store.cpp", "decode_layers.cpp", "sampler.cpp", "kquant_ops.cpp",
                          "kquant_wide.cpp", "lora_ops.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "decode_layers.h", "kquant.h",
-                                                        "kquant_wide.h")]
+                                                        "kquant_wide.h", "row_shares.h")]
 # -fopenmp: ``at::parallel_for`` is an OpenMP pragma in ATen's headers; without the flag it
 # compiles to a serial loop (torch's own libgomp is the runtime it links against at load time).
 # ``RADIXSERVE_CPU_MARCH`` builds for another ``-march`` target than this CPU (``haswell``: the

@@ -18,7 +18,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <atomic>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -27,6 +26,7 @@
 
 #include "kquant.h"
 #include "kquant_wide.h"
+#include "row_shares.h"
 
 namespace {
 
@@ -173,30 +173,7 @@ RowsFn rows_of(const at::Tensor& part, int64_t K) {
   }
 }
 
-constexpr int64_t CHUNK = 4 * NB;  // output rows a thread takes at a time
-
-// A thread's run [n0, n1) of a part's rows, in chunks of CHUNK rows: ``ends`` holds the first
-// chunk not yet taken (low 32 bits) and one past the last (high 32 bits); the owner takes from
-// the front, the other threads from the back.
-struct alignas(64) Share {
-  int64_t n0 = 0, n1 = 0, col = 0;  // col: the part's first column of y
-  std::atomic<uint64_t> ends{0};
-  // A chunk's index, or -1 when none is left.
-  int64_t take(bool back) {
-    uint64_t e = ends.load(std::memory_order_relaxed);
-    for (;;) {
-      const uint64_t front = e & 0xFFFFFFFFu, end = e >> 32;
-      if (front >= end) return -1;
-      const uint64_t next = back ? (end - 1) << 32 | front : end << 32 | (front + 1);
-      if (ends.compare_exchange_weak(e, next, std::memory_order_relaxed))
-        return static_cast<int64_t>(back ? end - 1 : front);
-    }
-  }
-};
-
-}  // namespace
-
-namespace {
+constexpr int64_t CHUNK = 4 * NB;  // output rows a thread takes at a time (row_shares.h)
 
 // kq_linear, and with `wide` kq_linear_q16.
 at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& b0, const at::Tensor& b1,
@@ -230,54 +207,21 @@ at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& b0, const at::Tensor
   const bool direct = x.scalar_type() == at::kFloat;
   std::unique_ptr<float[]> buf(direct ? nullptr : new float[M * N]);  // all written below
   float* sums = direct ? y.data_ptr<float>() : buf.get();
-  // Each thread owns an equal run of every part's rows (a share), and goes through its shares
-  // from the front, chunk by chunk, the next chunk's rows asked for as it streams one; a thread
-  // done with its own takes the chunks still left in the others' shares, one at a time from
-  // their back.  A step's threads then finish together even when one of them is held up (the
-  // OS lends its core to a server's front end or detokenizer, the two memory streams run at
-  // unequal rates), where a fixed split leaves the others waiting at the region's end.
-  // (a weight of few rows on one thread: at least 16 tiles a thread)
-  const int64_t threads = std::clamp<int64_t>(N / (16 * NB), 1, at::get_num_threads());
-  const int64_t np = static_cast<int64_t>(parts.size());
-  std::vector<Share> shares(np * threads);
-  for (int64_t p = 0, col = 0; p < np; ++p) {
-    const int64_t n = parts[p].second->size(0);
-    const int64_t step = (n + threads - 1) / threads;
-    const int64_t per = (step + NB - 1) / NB * NB;  // rows a share, whole tiles
-    for (int64_t t = 0; t < threads; ++t) {
-      Share& sh = shares[p * threads + t];
-      sh.n0 = std::min(n, t * per);
-      sh.n1 = std::min(n, sh.n0 + per);
-      sh.col = col;
-      sh.ends.store(static_cast<uint64_t>((sh.n1 - sh.n0 + CHUNK - 1) / CHUNK) << 32);
-    }
-    col += n;
+  // The parts' rows over the threads (row_shares.h); part p's columns of y start at col[p].
+  std::vector<int64_t> rows_of_part, col;
+  for (const auto& [rows, part] : parts) {
+    col.push_back(rows_of_part.empty() ? 0 : col.back() + rows_of_part.back());
+    rows_of_part.push_back(part->size(0));
   }
-  const auto run = [&](int64_t s, int64_t c, bool own) {
-    const Share& sh = shares[s];
-    const auto& [rows, part] = parts[s / threads];
-    const int64_t n0 = sh.n0 + c * CHUNK, n1 = std::min(sh.n1, n0 + CHUNK);
-    const int64_t reach = own ? sh.n1 : n1;  // the owner goes on to the next chunk
+  run_row_shares(rows_of_part, NB, CHUNK, [&](int64_t p, int64_t n0, int64_t n1, int64_t reach) {
+    const auto& [rows, part] = parts[p];
     const uint8_t* wp = part->data_ptr<uint8_t>();
     const int bytes = static_cast<int>(part->size(2));
     if (wide)
-      kq_wide_rows(xw[bytes == Q6K::BYTES].data(), wp, bytes, sums + sh.col, M, K, N, n0, n1,
+      kq_wide_rows(xw[bytes == Q6K::BYTES].data(), wp, bytes, sums + col[p], M, K, N, n0, n1,
                    reach);
     else
-      rows(xp, wp, sums + sh.col, M, K, N, n0, n1, reach);
-  };
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t p = 0; p < np; ++p) {
-        const int64_t s = p * threads + t;
-        for (int64_t c; (c = shares[s].take(false)) >= 0;) run(s, c, true);
-      }
-      for (int64_t p = 0; p < np; ++p)
-        for (int64_t u = 1; u < threads; ++u) {
-          const int64_t s = p * threads + (t + u) % threads;
-          for (int64_t c; (c = shares[s].take(true)) >= 0;) run(s, c, false);
-        }
-    }
+      rows(xp, wp, sums + col[p], M, K, N, n0, n1, reach);
   });
   if (!direct)
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "kq_linear", [&] {

@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "row_shares.h"
 #include "vec.h"
 
 namespace {
@@ -45,6 +46,7 @@ namespace {
 typedef int8_t vb __attribute__((vector_size(W)));
 
 constexpr int NB = 4;  // output rows per pass
+constexpr int64_t CHUNK = 4 * NB;  // output rows a thread takes at a time (row_shares.h)
 constexpr int MT = 2;  // input rows per pass
 // An int8 weight's group (weights per scale along K) is a runtime value, a whole number of
 // vectors: 32 for --quantization int8 and for a GGUF Q8_0 tensor (radixserve/quantization/).
@@ -142,15 +144,16 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) prefetch_line(c + off);
 }
 
-// Output rows [n0, n1) of every input row.
+// Output rows [n0, n1) of every input row; rows [n1, reach) come next on this thread.
 template <bool OFFSET>
 void int8_rows(const float* x, const int8_t* w, const float* scale, const float* offset, float* y,
-               int64_t M, int64_t K, int64_t N, int64_t group, int64_t n0, int64_t n1) {
+               int64_t M, int64_t K, int64_t N, int64_t group, int64_t n0, int64_t n1,
+               int64_t reach) {
   const int64_t groups = K / group;
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
     // the next tile's rows, asked for ahead (as int4_rows does)
-    const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb);
+    const int64_t ahead = std::min<int64_t>(NB, reach - n - nb);
     if (ahead > 0) {
       prefetch_range(w + (n + nb) * K, ahead * K);
       prefetch_range(scale + (n + nb) * groups, ahead * groups * 4);
@@ -284,12 +287,12 @@ inline void int4_pairs(const float* x, const uint8_t* qs, const uint16_t* d, con
     int4_tile<MT, 2>(x, qs, d, mins, y, K, N, m, n + i, std::min(2, nb - i));
 }
 
-// The 4-bit rows of the tile after [n, n + nb), up to n1, asked for ahead: a tile's rows are
+// The 4-bit rows of the tile after [n, n + nb), up to reach, asked for ahead: a tile's rows are
 // short (K / 2 bytes of nibbles, K / 8 of scales), so the hardware's prefetcher, which follows
 // one stream, would not run far enough ahead across the tile's rows alone.
 inline void prefetch_next_int4(const uint8_t* qs, const uint16_t* d, const uint16_t* mins,
-                               int64_t K, int64_t n, int nb, int64_t n1) {
-  const int64_t blocks = K / BLOCK4, ahead = std::min<int64_t>(NB, n1 - n - nb);
+                               int64_t K, int64_t n, int nb, int64_t reach) {
+  const int64_t blocks = K / BLOCK4, ahead = std::min<int64_t>(NB, reach - n - nb);
   if (ahead > 0) {
     prefetch_range(qs + (n + nb) * (K / 2), ahead * (K / 2));
     prefetch_range(d + (n + nb) * blocks, ahead * blocks * 2);
@@ -297,11 +300,12 @@ inline void prefetch_next_int4(const uint8_t* qs, const uint16_t* d, const uint1
   }
 }
 
+// Output rows [n0, n1) of every input row; rows [n1, reach) come next on this thread.
 void int4_rows(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* mins, float* y,
-               int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+               int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t reach) {
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, n1 - n));
-    prefetch_next_int4(qs, d, mins, K, n, nb, n1);
+    prefetch_next_int4(qs, d, mins, K, n, nb, reach);
 #if defined(__AVX512F__)
     // Up to 8 rows a pass (row_passes), so a verify step's rows expand each weight vector once;
     // passes of at most 4 rows would expand it twice.
@@ -738,29 +742,29 @@ inline const float* rows_as_float(const at::Tensor& x, std::vector<float>& buf) 
   return buf.data();
 }
 
-// ``rows(x, y, n0, n1)`` run over chunks of output rows on the threads (a multiple of NB each,
-// enough of them to share the threads), on x's rows as float32 into float32 sums; returns [M, N]
-// in x's dtype, each sum rounded once (c10's round-to-nearest-even, as torch's conversion).  The
-// conversions are loops here, not ATen ops: two ATen ops per matmul would cost a large share
-// of a one-row decode step.
+// ``rows(x, y, n0, n1, reach)`` run over chunks of output rows on the threads (row_shares.h:
+// rows [n1, reach) come next on the same thread), on x's rows as float32 into float32 sums;
+// returns [M, N] in x's dtype, each sum rounded once (c10's round-to-nearest-even, as torch's
+// conversion).  The conversions are loops here, not ATen ops: two ATen ops per matmul would cost
+// a large share of a one-row decode step.
 template <typename Rows>
 at::Tensor few_row_matmul(const at::Tensor& x, const float* xp, int64_t N, const Rows& rows) {
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
   if (x.scalar_type() == at::kFloat) {
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
-      rows(xp, yp, b0 * NB, std::min(N, b1 * NB));
+    run_row_shares({N}, NB, CHUNK, [&](int64_t, int64_t n0, int64_t n1, int64_t reach) {
+      rows(xp, yp, n0, n1, reach);
     });
     return y;
   }
   std::unique_ptr<float[]> sums(new float[M * N]);  // every element written by rows(): no zero fill
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "few_row_matmul", [&] {
     scalar_t* dst = y.data_ptr<scalar_t>();
-    at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t b0, int64_t b1) {
-      const int64_t n0 = b0 * NB, n1 = std::min(N, b1 * NB);
-      rows(xp, sums.get(), n0, n1);
-      for (int64_t m = 0; m < M; ++m)  // this thread's columns, while they are in its cache
+    run_row_shares({N}, NB, CHUNK, [&](int64_t, int64_t n0, int64_t n1, int64_t reach) {
+      rows(xp, sums.get(), n0, n1, reach);
+      for (int64_t m = 0; m < M; ++m)  // this chunk's columns, while they are in the cache
         for (int64_t n = n0; n < n1; ++n) dst[m * N + n] = static_cast<scalar_t>(sums[m * N + n]);
     });
   });
@@ -784,9 +788,10 @@ at::Tensor q8_matmul(const at::Tensor& x, int64_t N, bool nibbles, const Rows& r
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Q8Row> q8(M);
   for (int64_t m = 0; m < M; ++m) quantize_row_q8(xf + m * K, K, nibbles, wide, q8[m]);
-  return few_row_matmul(x, xf, N, [&](const float*, float* yp, int64_t n0, int64_t n1) {
-    rows(q8.data(), yp, n0, n1);
-  });
+  return few_row_matmul(x, xf, N,
+                        [&](const float*, float* yp, int64_t n0, int64_t n1, int64_t reach) {
+                          rows(q8.data(), yp, n0, n1, reach);
+                        });
 }
 #endif
 
@@ -846,12 +851,13 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* op = offset.numel() ? offset.data_ptr<float>() : nullptr;
-  return few_row_matmul(x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1) {
-    if (op)
-      int8_rows<true>(xp, wp, sp, op, yp, M, K, N, group, n0, n1);
-    else
-      int8_rows<false>(xp, wp, sp, nullptr, yp, M, K, N, group, n0, n1);
-  });
+  return few_row_matmul(
+      x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1, int64_t reach) {
+        if (op)
+          int8_rows<true>(xp, wp, sp, op, yp, M, K, N, group, n0, n1, reach);
+        else
+          int8_rows<false>(xp, wp, sp, nullptr, yp, M, K, N, group, n0, n1, reach);
+      });
 }
 
 // As int8_linear for groups of 32, with each row of x quantized to int8 per block of 32 (see
@@ -867,9 +873,10 @@ at::Tensor int8_linear_q8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tens
   const float* op = offset.numel() ? offset.data_ptr<float>() : nullptr;
   const ByteRows rows{wp, sp, op, K};
   return q8_matmul(
-      x, N, ByteRows::kNibbles, [&](const Q8Row* q8, float* yp, int64_t n0, int64_t n1) {
+      x, N, ByteRows::kNibbles,
+      [&](const Q8Row* q8, float* yp, int64_t n0, int64_t n1, int64_t reach) {
         q8_rows(q8, rows, yp, M, K, N, n0, n1, [&](int64_t n, int nb) {
-          const int64_t ahead = std::min<int64_t>(NB, n1 - n - nb), groups = K / BLOCK4;
+          const int64_t ahead = std::min<int64_t>(NB, reach - n - nb), groups = K / BLOCK4;
           if (ahead > 0) {
             prefetch_range(wp + (n + nb) * K, ahead * K);
             prefetch_range(sp + (n + nb) * groups, ahead * groups * 4);
@@ -943,9 +950,10 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor min
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const uint16_t* dp = half_bits(d);
   const uint16_t* mp = half_bits(mins);
-  return few_row_matmul(x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1) {
-    int4_rows(xp, qp, dp, mp, yp, M, K, N, n0, n1);
-  });
+  return few_row_matmul(
+      x, N, [&](const float* xp, float* yp, int64_t n0, int64_t n1, int64_t reach) {
+        int4_rows(xp, qp, dp, mp, yp, M, K, N, n0, n1, reach);
+      });
 }
 
 // As int4_linear, with each row of x quantized to int8 per block of 32 (see q8_tile): where the
@@ -964,9 +972,9 @@ at::Tensor int4_linear_x(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m
   const NibbleRows w{qp, dp, mp, K};
   return q8_matmul(
       x, N, NibbleRows::kNibbles,
-      [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1) {
+      [&](const Q8Row* rows, float* yp, int64_t n0, int64_t n1, int64_t reach) {
         const auto prefetch = [&](int64_t n, int nb) {
-          prefetch_next_int4(qp, dp, mp, K, n, nb, n1);
+          prefetch_next_int4(qp, dp, mp, K, n, nb, reach);
         };
         if (wide) {
           q8_rows<NibbleRows, true>(rows, w, yp, M, K, N, n0, n1, prefetch);
