@@ -54,12 +54,14 @@ def reasoning_item(text: str) -> dict[str, Any]:
 def output_items(text: str, parsed: ParsedMessage | None, cut_off: bool = False
                  ) -> list[dict[str, Any]]:
     """The items of a whole answer (``parsed`` None: no tool or reasoning parsing); with
-    ``cut_off`` (``max_output_tokens`` ended it) the last item is ``incomplete``."""
+    ``cut_off`` (``max_output_tokens`` ended it) the last item is ``incomplete``.  The same
+    items as :class:`ItemStream` streams: a message when there is text, or when there is no
+    other item (an answer cut off in its reasoning is its reasoning item alone)."""
     if parsed is None:
         out = [message_item(text)]
     else:
         out = [reasoning_item(parsed.reasoning_content)] if parsed.reasoning_content else []
-        if parsed.content or not parsed.tool_calls:
+        if parsed.content or not (parsed.tool_calls or out):
             out.append(message_item(parsed.content or ""))
         out += [call_item(cid, c.name, c.arguments) for cid, c in parsed.tool_calls]
     if cut_off and "status" in out[-1]:

@@ -124,9 +124,15 @@ def test_responses_usage_counts_the_reasoning_tokens(server, tiny_chat_model) ->
     for r in (resp, streamed):
         assert r.usage.output_tokens_details.reasoning_tokens == len(block)
         assert r.usage.output_tokens > len(block)
+    # Cut off in its reasoning: the reasoning item alone, streamed or not.
     cut = client.responses.create(model="tiny", input=ASK, max_output_tokens=2, temperature=0)
-    assert cut.status == "incomplete" and cut.output[0].type == "reasoning"
-    assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens == 2
+    with client.responses.stream(model="tiny", input=ASK, max_output_tokens=2, temperature=0,
+                                 store=False) as stream:  # ends with response.incomplete
+        cut_streamed = [e.response for e in stream if e.type == "response.incomplete"][0]
+    for r in (cut, cut_streamed):
+        assert r.status == "incomplete" and [item.type for item in r.output] == ["reasoning"]
+        assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 2
+    assert cut.output[0].content[0].text == cut_streamed.output[0].content[0].text
 
 
 def test_messages_answer_a_thinking_block_before_the_text(server) -> None:
