@@ -51,17 +51,23 @@ def reasoning_item(text: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
+def _needs_message(calls: bool, reasoning: bool, cut_off: bool) -> bool:
+    """Whether an answer without text still ends with an (empty) message item: unless it made
+    tool calls, or was cut off in its reasoning (then the reasoning item is the answer, as
+    OpenAI's).  A finished answer has one, so that an agent SDK reads its final output."""
+    return not calls and not (reasoning and cut_off)
+
+
 def output_items(text: str, parsed: ParsedMessage | None, cut_off: bool = False
                  ) -> list[dict[str, Any]]:
     """The items of a whole answer (``parsed`` None: no tool or reasoning parsing); with
     ``cut_off`` (``max_output_tokens`` ended it) the last item is ``incomplete``.  The same
-    items as :class:`ItemStream` streams: a message when there is text, or when there is no
-    other item (an answer cut off in its reasoning is its reasoning item alone)."""
+    items as :class:`ItemStream` streams (:func:`_needs_message`)."""
     if parsed is None:
         out = [message_item(text)]
     else:
         out = [reasoning_item(parsed.reasoning_content)] if parsed.reasoning_content else []
-        if parsed.content or not (parsed.tool_calls or out):
+        if parsed.content or _needs_message(bool(parsed.tool_calls), bool(out), cut_off):
             out.append(message_item(parsed.content or ""))
         out += [call_item(cid, c.name, c.arguments) for cid, c in parsed.tool_calls]
     if cut_off and "status" in out[-1]:
@@ -93,9 +99,13 @@ class ItemStream:
                 pieces += self.parser.finish()
         out = [e for p in pieces for e in self._add(p)]
         if piece.finished:
-            if not self.output and self.item is None:  # an empty answer is one empty message
+            cut = piece.meta.finish_type == "length"
+            kinds = {item["type"] for item in [*self.output, *([self.item] if self.item else [])]}
+            if "message" not in kinds and _needs_message("function_call" in kinds,
+                                                         "reasoning" in kinds, cut):
+                out += self.close()
                 out.append(self._open(message_item("", "in_progress")))
-            out += self.close("incomplete" if piece.meta.finish_type == "length" else "completed")
+            out += self.close("incomplete" if cut else "completed")
         return out
 
     def _add(self, p: Delta) -> list[bytes]:
