@@ -213,7 +213,7 @@ at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& b0, const at::Tensor
     col.push_back(rows_of_part.empty() ? 0 : col.back() + rows_of_part.back());
     rows_of_part.push_back(part->size(0));
   }
-  run_row_shares(rows_of_part, NB, CHUNK, [&](int64_t p, int64_t n0, int64_t n1, int64_t reach) {
+  const auto run = [&](int64_t p, int64_t n0, int64_t n1, int64_t reach) {
     const auto& [rows, part] = parts[p];
     const uint8_t* wp = part->data_ptr<uint8_t>();
     const int bytes = static_cast<int>(part->size(2));
@@ -222,7 +222,8 @@ at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& b0, const at::Tensor
                    reach);
     else
       rows(xp, wp, sums + col[p], M, K, N, n0, n1, reach);
-  });
+  };
+  run_row_shares(rows_of_part.data(), static_cast<int64_t>(parts.size()), NB, CHUNK, run);
   if (!direct)
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "kq_linear", [&] {
       scalar_t* dst = y.data_ptr<scalar_t>();

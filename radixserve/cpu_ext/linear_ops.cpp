@@ -754,7 +754,7 @@ at::Tensor few_row_matmul(const at::Tensor& x, const float* xp, int64_t N, const
   if (M == 0 || N == 0) return y;
   if (x.scalar_type() == at::kFloat) {
     float* yp = y.data_ptr<float>();
-    run_row_shares({N}, NB, CHUNK, [&](int64_t, int64_t n0, int64_t n1, int64_t reach) {
+    run_row_shares(&N, 1, NB, CHUNK, [&](int64_t, int64_t n0, int64_t n1, int64_t reach) {
       rows(xp, yp, n0, n1, reach);
     });
     return y;
@@ -762,7 +762,7 @@ at::Tensor few_row_matmul(const at::Tensor& x, const float* xp, int64_t N, const
   std::unique_ptr<float[]> sums(new float[M * N]);  // every element written by rows(): no zero fill
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "few_row_matmul", [&] {
     scalar_t* dst = y.data_ptr<scalar_t>();
-    run_row_shares({N}, NB, CHUNK, [&](int64_t, int64_t n0, int64_t n1, int64_t reach) {
+    run_row_shares(&N, 1, NB, CHUNK, [&](int64_t, int64_t n0, int64_t n1, int64_t reach) {
       rows(xp, sums.get(), n0, n1, reach);
       for (int64_t m = 0; m < M; ++m)  // this chunk's columns, while they are in the cache
         for (int64_t n = n0; n < n1; ++n) dst[m * N + n] = static_cast<scalar_t>(sums[m * N + n]);

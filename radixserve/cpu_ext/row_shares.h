@@ -39,16 +39,15 @@ struct alignas(64) RowShare {
 };
 
 // ``run(p, n0, n1, reach)`` computes part p's output rows [n0, n1), for every chunk of ``chunk``
-// rows (a multiple of ``tile``) of every part (``rows[p]`` rows each); rows [n1, reach) come
-// next on the same thread, so their weights may be asked for ahead.  A weight of few rows runs
-// on fewer threads: at least 16 tiles a thread.
+// rows (a multiple of ``tile``) of every part (``rows[p]`` rows each, ``np`` parts); rows
+// [n1, reach) come next on the same thread, so their weights may be asked for ahead.  A weight
+// of few rows runs on fewer threads: at least 16 tiles a thread.
 template <typename Run>
-void run_row_shares(const std::vector<int64_t>& rows, int64_t tile, int64_t chunk,
+void run_row_shares(const int64_t* rows, int64_t np, int64_t tile, int64_t chunk,
                     const Run& run) {
   int64_t total = 0;
-  for (const int64_t n : rows) total += n;
+  for (int64_t p = 0; p < np; ++p) total += rows[p];
   const int64_t threads = std::clamp<int64_t>(total / (16 * tile), 1, at::get_num_threads());
-  const int64_t np = static_cast<int64_t>(rows.size());
   std::vector<RowShare> shares(np * threads);
   for (int64_t p = 0; p < np; ++p) {
     const int64_t n = rows[p], step = (n + threads - 1) / threads;
