@@ -26,14 +26,20 @@ def test_the_kernels_build_here() -> None:
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start() -> None:
     """torch's build lock is a plain file; a build killed mid-way leaves it, and torch waits
-    for it forever.  The next load removes it (it holds the OS lock every builder takes)."""
+    for it forever.  The next load removes it (it holds the OS lock every builder takes).
+    A server that the other pytest worker starts meanwhile loads the kernels too and may be the
+    one that finds the file and removes it: then the load here is tried again."""
     stale = cpu_ext.build_dir() / "lock"
-    stale.touch()
     code = "from radixserve import cpu_ext; assert cpu_ext.load() is not None"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    for _ in range(5):
+        stale.touch()
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert not stale.exists()
+        if "removing the lock of an interrupted build" in done.stderr:
+            break
     assert "removing the lock of an interrupted build" in done.stderr
-    assert not stale.exists()
 
 
 def test_the_build_runs_the_ninja_package_whatever_path_finds_first(tmp_path) -> None:
